@@ -1,0 +1,252 @@
+"""The metric catalogue: every metric this project exports, as data.
+
+Standard library only. Instrumentation, collectors, dashboards, alerts, the README
+table and the tests read names, types, help, units, labels and buckets from here, so
+no metric name is typed as a string literal anywhere else (like dcgm-exporter's
+counters file).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COUNTER = "counter"
+GAUGE = "gauge"
+HISTOGRAM = "histogram"
+
+TRAINER = "trainer"
+GPU = "gpu"
+SHM = "shm"
+HOST = "host"
+SELF = "exporter"
+
+# Waiting for a batch ranges from a few microseconds (the batch was already prefetched)
+# to tens of seconds (a starved loader, a cold network filesystem).
+WAIT_BUCKETS: tuple[float, ...] = (
+    0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+# A training step takes from a fraction of a millisecond (tiny models) to a minute.
+STEP_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+# The first batch of an epoch includes worker start-up: 10 ms to 10 minutes.
+FIRST_BATCH_BUCKETS: tuple[float, ...] = (
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)
+
+LOADER_LABELS: tuple[str, ...] = ("loader", "rank")
+WORKER_LABELS: tuple[str, ...] = ("loader", "rank", "worker")
+INFO_LABELS: tuple[str, ...] = (
+    "loader", "rank", "num_workers", "batch_size", "prefetch_factor", "pin_memory",
+    "persistent_workers",
+)
+PHASE_FETCH = "fetch"
+PHASE_TRANSFER = "transfer"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One exported metric: the full sample name as scraped (counters end in _total)."""
+
+    name: str
+    type: str
+    help: str
+    unit: str
+    labels: tuple[str, ...]
+    source: str
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def family(self) -> str:
+        """The name prometheus_client's metric families take (counters without _total)."""
+        if self.type == COUNTER and self.name.endswith("_total"):
+            return self.name[: -len("_total")]
+        return self.name
+
+
+def _m(name: str, type_: str, help_: str, unit: str, labels: tuple[str, ...], source: str,
+       buckets: tuple[float, ...] = ()) -> Metric:
+    return Metric(name, type_, help_, unit, labels, source, buckets)
+
+
+# --- trainer: written by instrument/ into snapshot files or served in-process ----------
+TIME = _m(
+    "dataloader_time_seconds", HISTOGRAM,
+    "Time the training loop was blocked waiting for the next batch (phase=fetch) or "
+    "copying it host to device (phase=transfer).",
+    "seconds", (*LOADER_LABELS, "phase"), TRAINER, WAIT_BUCKETS)
+STEP = _m(
+    "dataloader_step_seconds", HISTOGRAM,
+    "Time between batches spent outside the loader, that is the training step.",
+    "seconds", LOADER_LABELS, TRAINER, STEP_BUCKETS)
+BATCHES = _m(
+    "dataloader_batches_total", COUNTER,
+    "Batches the loader has handed to the training loop.",
+    "", LOADER_LABELS, TRAINER)
+SAMPLES = _m(
+    "dataloader_samples_total", COUNTER,
+    "Samples in the batches the loader has handed to the training loop.",
+    "", LOADER_LABELS, TRAINER)
+EPOCHS = _m(
+    "dataloader_epochs_total", COUNTER,
+    "Epochs started, that is iterators created over the loader.",
+    "", LOADER_LABELS, TRAINER)
+FIRST_BATCH = _m(
+    "dataloader_first_batch_seconds", HISTOGRAM,
+    "Time from the start of an epoch (iter) to its first batch: the epoch-start stall.",
+    "seconds", LOADER_LABELS, TRAINER, FIRST_BATCH_BUCKETS)
+LAST_BATCH = _m(
+    "dataloader_last_batch_timestamp_seconds", GAUGE,
+    "Unix time at which the loader last handed out a batch, for hang detection.",
+    "seconds", LOADER_LABELS, TRAINER)
+WORKERS_CONFIGURED = _m(
+    "dataloader_workers_configured", GAUGE,
+    "Worker processes the loader is configured with (num_workers).",
+    "", LOADER_LABELS, TRAINER)
+WORKERS_ACTIVE = _m(
+    "dataloader_workers_active", GAUGE,
+    "Worker processes of the loader that are alive now, refreshed at most once a second.",
+    "", LOADER_LABELS, TRAINER)
+WORKERS_LOST = _m(
+    "dataloader_workers_lost_total", COUNTER,
+    "Worker processes that died while the loader still needed them (killed, crashed).",
+    "", LOADER_LABELS, TRAINER)
+WORKER_BUSY = _m(
+    "dataloader_worker_busy_seconds_total", COUNTER,
+    "Time each worker process spent producing samples and collating batches.",
+    "seconds", WORKER_LABELS, TRAINER)
+WORKER_SAMPLES = _m(
+    "dataloader_worker_samples_total", COUNTER,
+    "Samples each worker process has produced.",
+    "", WORKER_LABELS, TRAINER)
+WORKER_HEARTBEAT = _m(
+    "dataloader_worker_heartbeat_timestamp_seconds", GAUGE,
+    "Unix time at which each worker process last finished a sample.",
+    "seconds", WORKER_LABELS, TRAINER)
+BATCH_BYTES = _m(
+    "dataloader_batch_bytes", GAUGE,
+    "Tensor bytes in a recent batch (sampled); feeds the /dev/shm preflight.",
+    "bytes", LOADER_LABELS, TRAINER)
+TRANSFER_BYTES = _m(
+    "dataloader_transfer_bytes_total", COUNTER,
+    "Tensor bytes moved host to device by to_device.",
+    "bytes", LOADER_LABELS, TRAINER)
+INFO = _m(
+    "dataloader_info", GAUGE,
+    "The loader's effective configuration; the value is always 1.",
+    "", INFO_LABELS, TRAINER)
+
+# --- gpu: NVML through nvidia-ml-py ------------------------------------------------------
+GPU_LABELS: tuple[str, ...] = ("gpu", "gpu_uuid")
+GPU_INFO = _m(
+    "gpu_info", GAUGE, "GPU model and driver; the value is always 1.",
+    "", (*GPU_LABELS, "name", "driver_version"), GPU)
+GPU_UTILIZATION = _m(
+    "gpu_utilization_ratio", GAUGE,
+    "Fraction of the last sample period during which a kernel ran on the GPU.",
+    "ratio", GPU_LABELS, GPU)
+GPU_MEMORY_UTILIZATION = _m(
+    "gpu_memory_utilization_ratio", GAUGE,
+    "Fraction of the last sample period during which device memory was read or written.",
+    "ratio", GPU_LABELS, GPU)
+GPU_MEMORY_USED = _m(
+    "gpu_memory_used_bytes", GAUGE, "Device memory in use.", "bytes", GPU_LABELS, GPU)
+GPU_MEMORY_TOTAL = _m(
+    "gpu_memory_total_bytes", GAUGE, "Device memory in total.", "bytes", GPU_LABELS, GPU)
+GPU_PCIE_RX = _m(
+    "gpu_pcie_rx_bytes_per_second", GAUGE,
+    "PCIe traffic received by the GPU (host to device), averaged over NVML's 20 ms window.",
+    "bytes_per_second", GPU_LABELS, GPU)
+GPU_PCIE_TX = _m(
+    "gpu_pcie_tx_bytes_per_second", GAUGE,
+    "PCIe traffic sent by the GPU (device to host), averaged over NVML's 20 ms window.",
+    "bytes_per_second", GPU_LABELS, GPU)
+GPU_TEMPERATURE = _m(
+    "gpu_temperature_celsius", GAUGE, "GPU core temperature.", "celsius", GPU_LABELS, GPU)
+GPU_POWER = _m(
+    "gpu_power_watts", GAUGE, "GPU power draw.", "watts", GPU_LABELS, GPU)
+
+# --- shm: the shared-memory filesystem DataLoader workers pass batches through ------------
+SHM_SIZE = _m("shm_size_bytes", GAUGE, "Size of the shared-memory filesystem.",
+              "bytes", ("path",), SHM)
+SHM_USED = _m("shm_used_bytes", GAUGE, "Bytes in use on the shared-memory filesystem.",
+              "bytes", ("path",), SHM)
+SHM_FREE = _m("shm_free_bytes", GAUGE, "Bytes free on the shared-memory filesystem.",
+              "bytes", ("path",), SHM)
+
+# --- host: memory of the machine and of the container's cgroup ----------------------------
+HOST_MEMORY_TOTAL = _m("host_memory_total_bytes", GAUGE, "Physical memory of the host.",
+                       "bytes", (), HOST)
+HOST_MEMORY_AVAILABLE = _m(
+    "host_memory_available_bytes", GAUGE,
+    "Memory available to new work without swapping, as the kernel estimates it.",
+    "bytes", (), HOST)
+HOST_SWAP_USED = _m("host_swap_used_bytes", GAUGE, "Swap space in use.", "bytes", (), HOST)
+CGROUP_MEMORY_LIMIT = _m(
+    "host_cgroup_memory_limit_bytes", GAUGE,
+    "Memory limit of the exporter's cgroup (the container), where one is set.",
+    "bytes", (), HOST)
+CGROUP_MEMORY_USAGE = _m(
+    "host_cgroup_memory_usage_bytes", GAUGE,
+    "Memory in use by the exporter's cgroup (the container).",
+    "bytes", (), HOST)
+
+# --- the exporter itself --------------------------------------------------------------------
+BUILD_INFO = _m(
+    "dataloader_exporter_build_info", GAUGE,
+    "Version of dataloader-exporter and of Python; the value is always 1.",
+    "", ("version", "python_version"), SELF)
+COLLECTOR_UP = _m(
+    "dataloader_exporter_collector_up", GAUGE,
+    "Whether the collector's source could be read at the last scrape (1) or not (0).",
+    "", ("collector",), SELF)
+COLLECTOR_DURATION = _m(
+    "dataloader_exporter_collector_duration_seconds", GAUGE,
+    "Time the collector took at the last scrape.",
+    "seconds", ("collector",), SELF)
+COLLECTOR_ERRORS = _m(
+    "dataloader_exporter_collector_errors_total", COUNTER,
+    "Errors the collector met reading its source (each skipped file or failed call).",
+    "", ("collector",), SELF)
+SNAPSHOT_AGE = _m(
+    "dataloader_exporter_snapshot_age_seconds", GAUGE,
+    "Age of the newest trainer snapshot file in the metrics directory.",
+    "seconds", (), SELF)
+SNAPSHOT_FILES = _m(
+    "dataloader_exporter_snapshot_files", GAUGE,
+    "Trainer snapshot files in the metrics directory, fresh ones served and stale ones dropped.",
+    "", ("state",), SELF)
+
+ALL: tuple[Metric, ...] = tuple(v for v in globals().values() if isinstance(v, Metric))
+BY_NAME: dict[str, Metric] = {m.name: m for m in ALL}
+
+
+def series_names(metric: Metric) -> tuple[str, ...]:
+    """Every sample name the metric shows up under in an exposition."""
+    if metric.type == HISTOGRAM:
+        return (f"{metric.name}_bucket", f"{metric.name}_sum", f"{metric.name}_count")
+    return (metric.name,)
+
+
+def lookup(sample_name: str) -> Metric | None:
+    """The catalogue entry a scraped sample name belongs to, or None."""
+    if sample_name in BY_NAME:
+        return BY_NAME[sample_name]
+    for suffix in ("_bucket", "_sum", "_count", "_created"):
+        if sample_name.endswith(suffix):
+            base = BY_NAME.get(sample_name[: -len(suffix)])
+            if base is not None and (base.type == HISTOGRAM or suffix == "_created"):
+                return base
+    return None
+
+
+def markdown_table(source: str | None = None) -> str:
+    """The README's metric table, generated so it cannot drift from the code."""
+    rows = ["| name | type | labels | meaning |", "|---|---|---|---|"]
+    for m in ALL:
+        if source is None or m.source == source:
+            labels = ", ".join(m.labels) or "-"
+            rows.append(f"| `{m.name}` | {m.type} | {labels} | {m.help} |")
+    return "\n".join(rows) + "\n"

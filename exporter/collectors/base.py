@@ -1,0 +1,64 @@
+"""What every source collector shares: a name, health, an error count, log-once."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Protocol
+
+from prometheus_client.metrics_core import Metric as Family
+
+from exporter.catalogue import COUNTER, GAUGE, HISTOGRAM, Metric
+
+log = logging.getLogger("exporter")
+
+
+class SourceCollector(Protocol):
+    """A collector of one source (gpu, shm, host, trainer).
+
+    collect() never raises: on a failing source it yields what it can, sets `up`
+    False and adds to `errors`. The supervisor turns up/errors into self metrics.
+    """
+
+    name: str
+    up: bool
+    errors: int
+
+    def collect(self) -> Iterable[Family]: ...
+
+
+class LogOnce:
+    """Logs a problem the first time it is seen and again only after it cleared."""
+
+    def __init__(self, logger: logging.Logger = log) -> None:
+        self._logger = logger
+        self._active: set[str] = set()
+
+    def problem(self, key: str, msg: str, *args: object) -> None:
+        if key not in self._active:
+            self._active.add(key)
+            self._logger.warning(msg, *args)
+
+    def cleared(self, key: str, msg: str = "", *args: object) -> None:
+        if key in self._active:
+            self._active.discard(key)
+            if msg:
+                self._logger.info(msg, *args)
+
+
+def family(metric: Metric, labels: Iterable[str] | None = None) -> Family:
+    """An empty prometheus_client metric family for a catalogue entry."""
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+
+    names = list(metric.labels if labels is None else labels)
+    if metric.type == COUNTER:
+        return CounterMetricFamily(metric.family, metric.help, labels=names)
+    if metric.type == GAUGE:
+        return GaugeMetricFamily(metric.name, metric.help, labels=names)
+    if metric.type == HISTOGRAM:
+        return HistogramMetricFamily(metric.name, metric.help, labels=names)
+    raise ValueError(f"unknown metric type {metric.type!r} for {metric.name}")

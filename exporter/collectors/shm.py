@@ -1,0 +1,56 @@
+"""Size and use of the shared-memory filesystem (/dev/shm).
+
+DataLoader workers hand batches to the main process through /dev/shm; Docker's default
+64 MB fills up and kills workers with a "bus error", so this is worth a gauge. statvfs is
+injected so tests can give exact numbers or a small filesystem.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric as Family
+
+from exporter import catalogue as c
+from exporter.collectors.base import LogOnce, family
+
+log = logging.getLogger("exporter.shm")
+
+
+class ShmCollector:
+    """shm_size_bytes, shm_used_bytes and shm_free_bytes for one path."""
+
+    name = "shm"
+
+    def __init__(self, path: str = "/dev/shm",
+                 statvfs: Callable[[str], Any] = os.statvfs) -> None:
+        self.path = path
+        self.up = False
+        self.errors = 0
+        self._statvfs = statvfs
+        self._logs = LogOnce(log)
+
+    def collect(self) -> Iterable[Family]:
+        try:
+            st = self._statvfs(self.path)
+        except OSError as err:
+            self.up = False
+            self.errors += 1
+            self._logs.problem("statvfs", "shm metrics skipped: cannot stat %s: %s",
+                               self.path, err)
+            return
+        self.up = True
+        self._logs.cleared("statvfs", "shm metrics: %s readable again", self.path)
+        values = {
+            c.SHM_SIZE: st.f_blocks * st.f_frsize,
+            c.SHM_USED: (st.f_blocks - st.f_bfree) * st.f_frsize,
+            c.SHM_FREE: st.f_bavail * st.f_frsize,
+        }
+        for metric, value in values.items():
+            fam = cast(GaugeMetricFamily, family(metric))
+            fam.add_metric([self.path], float(value))
+            yield fam

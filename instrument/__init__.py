@@ -1,0 +1,29 @@
+"""Instrumentation for PyTorch DataLoaders: change one import line.
+
+    from instrument import DataLoader          # instead of torch.utils.data.DataLoader
+    loader = DataLoader(ds, batch_size=64, num_workers=4, name="train")
+
+or, for a loader built elsewhere, ``loader = instrument.wrap(loader, name="train")``.
+Metrics go to snapshot files (metrics_dir= or $DATALOADER_EXPORTER_DIR) for the
+sidecar exporter, and/or are served in-process (port= or instrument.serve()).
+"""
+
+from .hub import SnapshotWriter, default_registry, hub_for
+from .loader import DataLoader, WrappedLoader, to_device, wrap
+from .serve import serve
+
+
+def write_snapshots(directory: str, interval: float = 1.0) -> SnapshotWriter:
+    """Writes the default registry's metrics to <directory>/<unique>.prom every interval."""
+    return hub_for().write_snapshots(directory, interval)
+
+
+__all__ = [
+    "DataLoader",
+    "WrappedLoader",
+    "default_registry",
+    "serve",
+    "to_device",
+    "wrap",
+    "write_snapshots",
+]

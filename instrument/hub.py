@@ -1,0 +1,174 @@
+"""Where a process's loader metrics live and how they leave it.
+
+One Hub per registry holds the recorders (keyed by loader name and rank) and one
+collector over them. Metrics leave the process as atomic snapshot files written by a
+daemon thread (for the sidecar, or node_exporter's textfile collector) and/or over
+HTTP served in-process. Nothing here runs at import time or touches the global REGISTRY.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, write_to_textfile
+
+from .recorder import LoaderCollector, LoaderRecorder
+
+log = logging.getLogger("instrument")
+
+ENV_DIR = "DATALOADER_EXPORTER_DIR"
+SNAPSHOT_INTERVAL = 1.0
+
+
+class Hub:
+    """The recorders of one registry and the sinks attached to it."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._recorders: dict[tuple[str, str], LoaderRecorder] = {}
+        self._lock = threading.Lock()
+        self._writers: dict[str, SnapshotWriter] = {}
+        self.registry.register(LoaderCollector(self.recorders))
+
+    def recorders(self) -> Iterable[LoaderRecorder]:
+        with self._lock:
+            return list(self._recorders.values())
+
+    def recorder(self, name: str, rank: str) -> LoaderRecorder:
+        """The recorder for (name, rank); loaders that share a name share series."""
+        with self._lock:
+            rec = self._recorders.get((name, rank))
+            if rec is None:
+                rec = self._recorders[(name, rank)] = LoaderRecorder(name, rank)
+            return rec
+
+    def write_snapshots(self, directory: str, interval: float = SNAPSHOT_INTERVAL
+                        ) -> SnapshotWriter:
+        """Starts (once per directory) the thread that writes this hub's snapshots."""
+        key = os.path.abspath(directory)
+        with self._lock:
+            writer = self._writers.get(key)
+            if writer is None:
+                writer = self._writers[key] = SnapshotWriter(self.registry, key, interval)
+                writer.start()
+            return writer
+
+    def flush_now(self) -> None:
+        """Asks every snapshot writer to write soon (at the end of an epoch)."""
+        for writer in list(self._writers.values()):
+            writer.wake()
+
+
+_default: Hub | None = None
+_default_lock = threading.Lock()
+_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, Hub] = weakref.WeakKeyDictionary()
+
+
+def hub_for(registry: CollectorRegistry | None = None) -> Hub:
+    """The process's default hub, or the hub bound to a caller's registry."""
+    global _default
+    with _default_lock:
+        if registry is None:
+            if _default is None:
+                _default = Hub()
+            return _default
+        hub = _by_registry.get(registry)
+        if hub is None:
+            hub = _by_registry[registry] = Hub(registry)
+        return hub
+
+
+def default_registry() -> CollectorRegistry:
+    """The registry instrumented loaders use when given none."""
+    return hub_for().registry
+
+
+def snapshot_path(directory: str) -> str:
+    """A file name unique to this process: host, pid and a random token."""
+    host = socket.gethostname().replace(os.sep, "_") or "host"
+    return os.path.join(directory, f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}.prom")
+
+
+class SnapshotWriter:
+    """Writes a registry to <dir>/<unique>.prom every interval, atomically (rename).
+
+    Failures (missing or unwritable directory, full disk) are logged once and retried
+    quietly; training never sees them. The last snapshot is written at interpreter exit.
+    """
+
+    def __init__(self, registry: CollectorRegistry, directory: str, interval: float) -> None:
+        self.registry = registry
+        self.directory = directory
+        self.interval = interval
+        self.path = snapshot_path(directory)
+        self.writes = 0
+        self.failures = 0
+        self._pid = os.getpid()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._write_lock = threading.Lock()
+        self._failing = False
+        self._thread = threading.Thread(target=self._run, name="dataloader-exporter-snapshot",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        atexit.register(self.close)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def close(self) -> None:
+        """Stops the thread and writes one last snapshot."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        self.write()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.write()
+            self._wake.wait(self.interval)
+            self._wake.clear()
+
+    def write(self) -> bool:
+        """One atomic write; False (and one log line per failure streak) on error."""
+        if os.getpid() != self._pid:  # a forked child must not write its parent's file
+            return False
+        with self._write_lock:
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+                write_to_textfile(self.path, self.registry)
+            except Exception as e:
+                self.failures += 1
+                if not self._failing:
+                    self._failing = True
+                    log.warning("dataloader-exporter: cannot write metrics snapshot %s: %s "
+                                "(training goes on; will retry quietly)", self.path, e)
+                return False
+            if self._failing:
+                self._failing = False
+                log.info("dataloader-exporter: metrics snapshots to %s work again", self.path)
+            self.writes += 1
+            return True
+
+
+def wait_for_write(writer: SnapshotWriter, timeout: float = 5.0) -> bool:
+    """Blocks until the writer completes one more write (for tests and short scripts)."""
+    target = writer.writes + 1
+    writer.wake()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if writer.writes >= target:
+            return True
+        time.sleep(0.01)
+    return False

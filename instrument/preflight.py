@@ -1,0 +1,124 @@
+"""The configuration line and the once-only warnings a loader gets on first use.
+
+Logged through the "instrument" logger (never warnings.warn: a test run with -W error
+must not turn advice into a crash).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .env import SHM_PATH, ShmSpace, human_bytes, physical_cores, shm_space
+
+log = logging.getLogger("instrument")
+
+GiB = 1024**3
+SHM_SAFETY = 1.5
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """The effective settings of a DataLoader (None where the loader has no such knob)."""
+
+    num_workers: int | None
+    batch_size: int | None
+    prefetch_factor: int | None
+    pin_memory: bool | None
+    persistent_workers: bool | None
+
+    @classmethod
+    def of(cls, loader: Any) -> LoaderConfig:
+        num_workers = getattr(loader, "num_workers", None)
+        prefetch = getattr(loader, "prefetch_factor", None)
+        if prefetch is None and num_workers:
+            prefetch = 2  # torch's default when workers are used
+        return cls(num_workers, getattr(loader, "batch_size", None), prefetch,
+                   getattr(loader, "pin_memory", None), getattr(loader, "persistent_workers", None))
+
+    def labels(self) -> dict[str, str]:
+        def s(v: object) -> str:
+            if v is None:
+                return ""
+            return str(v).lower() if isinstance(v, bool) else str(v)
+
+        return {"num_workers": s(self.num_workers), "batch_size": s(self.batch_size),
+                "prefetch_factor": s(self.prefetch_factor), "pin_memory": s(self.pin_memory),
+                "persistent_workers": s(self.persistent_workers)}
+
+
+def shm_needed(batch_bytes: int, cfg: LoaderConfig, local_ranks: int = 1) -> int:
+    """Shared memory the loader's in-flight batches may need, with a 1.5x margin."""
+    workers = cfg.num_workers or 0
+    return int(batch_bytes * (cfg.prefetch_factor or 2) * workers * local_ranks * SHM_SAFETY)
+
+
+def shm_size_advice(needed: int) -> str:
+    """A --shm-size value (whole GiB, at least 1g) that leaves room for `needed` bytes."""
+    return f"{max(1, math.ceil(needed * 1.25 / GiB))}g"
+
+
+class Preflight:
+    """Logs a loader's configuration once and each piece of advice at most once."""
+
+    def __init__(self, name: str, shm_path: str = SHM_PATH,
+                 shm_probe: Callable[[str], ShmSpace | None] = shm_space,
+                 cores: Callable[[], int] = physical_cores) -> None:
+        self.name = name
+        self.shm_path = shm_path
+        self._shm_probe = shm_probe
+        self._cores = cores
+        self._said: set[str] = set()
+
+    def _warn(self, key: str, msg: str, *args: object) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.warning("dataloader %r: " + msg, self.name, *args)
+
+    def on_iter(self, cfg: LoaderConfig, epoch: int) -> None:
+        """At each iter(): the config line (first time) and config-only advice."""
+        if "config" not in self._said:
+            self._said.add("config")
+            shm = self._shm_probe(self.shm_path)
+            log.info("dataloader %r: num_workers=%s prefetch_factor=%s pin_memory=%s "
+                     "persistent_workers=%s batch_size=%s; physical cores=%d, %s size=%s",
+                     self.name, cfg.num_workers, cfg.prefetch_factor, cfg.pin_memory,
+                     cfg.persistent_workers, cfg.batch_size, self._cores(), self.shm_path,
+                     human_bytes(shm.size) if shm else "unknown")
+        if cfg.num_workers == 0:
+            self._warn("no-workers", "num_workers=0 loads every batch in the training "
+                       "process, so the GPU waits while it does; try num_workers=%d",
+                       min(self._cores(), 8))
+        elif cfg.num_workers is not None and cfg.num_workers > self._cores():
+            self._warn("too-many-workers", "num_workers=%d exceeds the %d physical cores; "
+                       "workers will fight for CPU with each other and the training loop",
+                       cfg.num_workers, self._cores())
+        if epoch >= 2 and cfg.num_workers and cfg.persistent_workers is False:
+            self._warn("not-persistent", "persistent_workers=False restarts %d workers at "
+                       "every epoch, stalling its first batch; set persistent_workers=True",
+                       cfg.num_workers)
+
+    def on_cuda_transfer(self, cfg: LoaderConfig) -> None:
+        if cfg.pin_memory is False:
+            self._warn("no-pin", "batches go to CUDA but pin_memory=False, so each copy is "
+                       "synchronous and cannot overlap compute; set pin_memory=True")
+
+    def on_first_batch(self, cfg: LoaderConfig, batch_bytes: int) -> None:
+        """After the first batch: will in-flight batches overflow /dev/shm?"""
+        if not cfg.num_workers or batch_bytes <= 0 or "shm" in self._said:
+            return
+        shm = self._shm_probe(self.shm_path)
+        need = shm_needed(batch_bytes, cfg)
+        if shm is None or need <= shm.free:
+            return
+        self._warn("shm", "batches of %s x prefetch_factor %d x %d workers x %.1f = %s of "
+                   "shared memory, but %s has only %s free (of %s): workers will die with "
+                   "a bus error or 'Killed'. Give the container more shared memory "
+                   "(docker run --shm-size=%s; Kubernetes: a memory-backed emptyDir at "
+                   "/dev/shm) or lower num_workers, prefetch_factor or the batch size",
+                   human_bytes(batch_bytes), cfg.prefetch_factor or 2, cfg.num_workers,
+                   SHM_SAFETY, human_bytes(need), shm.path, human_bytes(shm.free),
+                   human_bytes(shm.size), shm_size_advice(need))
