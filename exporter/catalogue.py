@@ -250,3 +250,7 @@ def markdown_table(source: str | None = None) -> str:
             labels = ", ".join(m.labels) or "-"
             rows.append(f"| `{m.name}` | {m.type} | {labels} | {m.help} |")
     return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

@@ -33,7 +33,7 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
@@ -46,7 +46,7 @@ def make_app(registry: CollectorRegistry) -> Callable[[dict[str, Any], StartResp
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")
         if path == "/metrics":
-            return metrics(environ, start_response)  # type: ignore[no-any-return]
+            return metrics(environ, start_response)
         if path == "/":
             start_response("200 OK", [("Content-Type", "text/html; charset=utf-8")])
             return [index]
@@ -65,7 +65,10 @@ class ServerHandle:
     def __init__(self, server: _Server, thread: threading.Thread) -> None:
         self._server = server
         self._thread = thread
-        self.host, self.port = server.server_address[:2]
+        host, port = server.server_address[:2]
+        self.host = host.decode() if isinstance(host, bytes) else str(host)
+        self.port = int(port)
+        self.closed = False
 
     @property
     def url(self) -> str:
@@ -75,6 +78,9 @@ class ServerHandle:
         return f"http://{host}:{self.port}"
 
     def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=2)

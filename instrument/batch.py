@@ -75,7 +75,7 @@ def _walk(obj: Any, fn: Callable[[Tensor], Any], rebuild: bool = True) -> Any:
         if not rebuild:
             return obj
         try:  # keep the mapping's own type (OrderedDict, defaultdict, UserDict...)
-            clone = copy.copy(obj)
+            clone: Any = copy.copy(obj)
             clone.update(items)
             return clone
         except Exception:

@@ -190,7 +190,7 @@ class TimedIterator:
             pass
 
 
-class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+class DataLoader(torch.utils.data.DataLoader):
     """torch.utils.data.DataLoader, instrumented. Same arguments, plus:
 
     name: the `loader` label (loaders sharing a name share series);
@@ -227,6 +227,8 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             object.__setattr__(self, "dataset", dataset)
             self.collate_fn = collate
             self.worker_init_fn = init
+        # Workers announce their pids once started; until then the iterator knows them.
+        dle.rec.workers.set_pids(compat.worker_pids(it))
         return TimedIterator(it, dle, start)
 
     def to_device(self, batch: Any, device: Any, non_blocking: bool = True) -> Any:

@@ -11,7 +11,7 @@ from exporter.http import serve as _serve
 
 from .hub import hub_for
 
-_servers: dict[tuple[str, int], ServerHandle] = {}
+_servers: dict[tuple[str, int], tuple[ServerHandle, CollectorRegistry]] = {}
 _lock = threading.Lock()
 
 
@@ -23,8 +23,12 @@ def serve(port: int = 0, addr: str = "0.0.0.0",
     """
     reg = hub_for(registry).registry
     with _lock:
-        handle = _servers.get((addr, port)) if port else None
-        if handle is None:
-            handle = _serve(reg, addr, port)
-            _servers[(addr, handle.port)] = handle
+        known = _servers.get((addr, port)) if port else None
+        if known is not None and not known[0].closed:
+            handle, served = known
+            if served is not reg:
+                raise OSError(f"{addr}:{port} already serves another registry")
+            return handle
+        handle = _serve(reg, addr, port)
+        _servers[(addr, handle.port)] = (handle, reg)
         return handle

@@ -81,11 +81,15 @@ class TimedCollate:
         return out
 
 
-class TimedMapDataset(Dataset):  # type: ignore[type-arg]
-    """A map-style dataset that times each sample inside worker processes."""
+class TimedMapDataset(Dataset):
+    """A map-style dataset that times each sample inside worker processes.
+
+    Reads and writes of other attributes go to the user's dataset, so a worker_init_fn
+    that configures ``get_worker_info().dataset`` (shard bounds, say) works unchanged.
+    """
 
     def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
+        self.__dict__["dataset"] = dataset
 
     def __getitem__(self, index: Any) -> Any:
         t0 = time.perf_counter_ns()
@@ -107,6 +111,10 @@ class TimedMapDataset(Dataset):  # type: ignore[type-arg]
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A user's worker_init_fn configures get_worker_info().dataset: pass it through.
+        setattr(self.dataset, name, value)
+
 
 class _TimedGetItems:
     def __init__(self, inner: Callable[[Any], Any]) -> None:
@@ -119,11 +127,11 @@ class _TimedGetItems:
         return items
 
 
-class TimedIterableDataset(IterableDataset):  # type: ignore[type-arg]
+class TimedIterableDataset(IterableDataset):
     """An iterable dataset that times each sample inside worker processes."""
 
     def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
+        self.__dict__["dataset"] = dataset
 
     def __iter__(self) -> Iterator[Any]:
         it = iter(self.dataset)
@@ -144,6 +152,10 @@ class TimedIterableDataset(IterableDataset):  # type: ignore[type-arg]
         if name.startswith("__") or "dataset" not in self.__dict__:
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A user's worker_init_fn configures get_worker_info().dataset: pass it through.
+        setattr(self.dataset, name, value)
 
 
 def timed_dataset(dataset: Any) -> Any:
@@ -199,9 +211,9 @@ class WorkerTracker:
             return
         with self._lock:
             self._next = now + self.min_interval
-            pids = list(self._pids)
+            pids = set(self._pids)
             for block in self._blocks:
-                pids.extend(int(p) for p in block.numpy()[:, PID] if p)
+                pids.update(int(p) for p in block.numpy()[:, PID] if p)
             alive = 0
             for pid in pids:
                 if self._alive(pid):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client.metrics_core import Metric as Family
 
@@ -46,8 +46,11 @@ class LogOnce:
                 self._logger.info(msg, *args)
 
 
-def family(metric: Metric, labels: Iterable[str] | None = None) -> Family:
-    """An empty prometheus_client metric family for a catalogue entry."""
+def family(metric: Metric, labels: Iterable[str] | None = None) -> Any:
+    """An empty Counter/Gauge/HistogramMetricFamily for a catalogue entry.
+
+    Typed Any because each family class has its own add_metric() signature.
+    """
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,

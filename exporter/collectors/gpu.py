@@ -125,8 +125,7 @@ class GpuCollector:
         self._lock = threading.Lock()
         self._logs = LogOnce(log)
         self._active: set[str] = set()
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._worker: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[_Job | None] | None = None  # the worker's inbox
         self._pending: _Job | None = None
         # Touched only by the worker thread:
         self._initialized = False
@@ -143,10 +142,10 @@ class GpuCollector:
         if self._pending is not None and not self._pending.done.is_set():
             return self._timed_out("NVML is still busy with a read from an earlier scrape")
         job = _Job(self._read)
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._serve, name="gpu-collector-nvml",
-                                            daemon=True)
-            self._worker.start()
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(self._jobs,), name="gpu-collector-nvml",
+                             daemon=True).start()
         self._jobs.put(job)
         if not job.done.wait(self.call_timeout):
             self._pending = job
@@ -183,16 +182,24 @@ class GpuCollector:
         return [info, *per_gpu.values()] if reading.devices else []
 
     def close(self) -> None:
-        """Shut NVML down, if it was started, waiting at most call_timeout."""
-        if self._worker is not None:
-            job = _Job(self._shutdown)
+        """Shut NVML down and stop the worker thread, waiting at most call_timeout."""
+        with self._lock:
+            if self._jobs is None:
+                return
+            job = _Job(self._close)
             self._jobs.put(job)
-            job.done.wait(self.call_timeout)
+            self._jobs.put(None)
+            self._jobs = None
+        job.done.wait(self.call_timeout)
 
     # --- everything below runs in the worker thread ---------------------------------------
-    def _serve(self) -> None:
-        while True:
-            self._jobs.get().run()
+    def _serve(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
+        while (job := jobs.get()) is not None:
+            job.run()
+
+    def _close(self) -> _Reading:
+        self._refresh_at = float("-inf")  # a later scrape starts NVML afresh
+        return self._shutdown()
 
     def _shutdown(self) -> _Reading:
         if self._initialized:

@@ -57,10 +57,12 @@ def own_cgroups(proc_root: Path) -> tuple[str, str]:
         if len(parts) != 3:
             continue
         _, controllers, path = parts
+        if not path.startswith("/") or ".." in path.split("/"):
+            continue  # outside our cgroup namespace: fall back to the mount's root
         if parts[0] == "0" and controllers == "":
-            v2 = path or "/"
+            v2 = path
         elif "memory" in controllers.split(","):
-            v1 = path or "/"
+            v1 = path
     return v2, v1
 
 

@@ -1,0 +1,32 @@
+"""Shared fixtures: fresh registries, promtool and Prometheus binaries."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+IN_CI = os.environ.get("CI") == "true"
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+def require_binary(name: str) -> str:
+    """Path of a binary the test needs: skipped locally when missing, a failure in CI."""
+    path = shutil.which(name)
+    if path is None:
+        msg = f"{name} not installed (Debian package prometheus; `make test` installs it)"
+        if IN_CI:
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    return require_binary("promtool")

@@ -1,0 +1,87 @@
+"""Tiny datasets and scrape helpers shared by the tests (importable by spawned workers)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+
+class SleepDataset(Dataset):  # type: ignore[type-arg]
+    """n samples of `width` floats; each __getitem__ sleeps `delay` seconds."""
+
+    def __init__(self, n: int, delay: float = 0.0, width: int = 4) -> None:
+        self.n, self.delay, self.width = n, delay, width
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if self.delay:
+            time.sleep(self.delay)
+        return torch.full((self.width,), float(i)), i
+
+
+class FailingDataset(SleepDataset):
+    """Raises ValueError at index `bad`."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if i == self.bad:
+            raise ValueError(f"corrupt sample {i}")
+        return super().__getitem__(i)
+
+
+class RangeIterable(IterableDataset):  # type: ignore[type-arg]
+    """0..n-1, sharded across workers; optional __len__."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.n, step):
+            yield torch.tensor([i])
+
+
+class SizedRangeIterable(RangeIterable):
+    def __len__(self) -> int:
+        return self.n
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    """A sample's value by catalogue name and labels (default loader/rank labels)."""
+    return registry.get_sample_value(name, labels)
+
+
+def parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Exposition text -> {(sample name, sorted labels): value}."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return parse(generate_latest(registry).decode())
+
+
+def deadline_poll(check: Any, timeout: float, interval: float = 0.05) -> Any:
+    """Calls check() until it returns a truthy value or the deadline passes."""
+    end = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result or time.monotonic() > end:
+            return result
+        time.sleep(interval)

@@ -1,0 +1,48 @@
+"""The catalogue is the one source of metric names; the README's table comes from it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from exporter import catalogue as cat
+
+REPO = Path(__file__).resolve().parents[1]
+UNIT_SUFFIX = {"seconds": "_seconds", "bytes": "_bytes", "ratio": "_ratio",
+               "celsius": "_celsius", "watts": "_watts", "bytes_per_second": "_per_second"}
+
+
+def test_names_follow_prometheus_conventions() -> None:
+    assert len(cat.BY_NAME) == len(cat.ALL)
+    for m in cat.ALL:
+        assert re.fullmatch(r"[a-z][a-z0-9_]*", m.name), m.name
+        assert (m.type == cat.COUNTER) == m.name.endswith("_total"), m.name
+        if m.unit:
+            assert UNIT_SUFFIX[m.unit] in m.name, m.name
+        assert m.help.endswith(".") and m.help[0].isupper(), m.name
+        assert all(re.fullmatch(r"[a-z][a-z0-9_]*", label) for label in m.labels)
+        assert (m.type == cat.HISTOGRAM) == bool(m.buckets), m.name
+        assert list(m.buckets) == sorted(set(m.buckets)), m.name
+
+
+def test_no_metric_name_is_typed_outside_the_catalogue() -> None:
+    names = {m.name for m in cat.ALL} | {m.family for m in cat.ALL}
+    for package in ("exporter", "instrument", "dashboards"):
+        for path in (REPO / package).rglob("*.py"):
+            if path.name == "catalogue.py":
+                continue
+            text = path.read_text()
+            found = [n for n in names if re.search(rf"[\"']{n}(_bucket|_sum|_count)?[\"']", text)]
+            assert not found, f"{path}: {found}"
+
+
+def test_readme_metric_table_is_the_generated_one() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert cat.markdown_table() in readme, "regenerate with: python -m exporter.catalogue"
+
+
+def test_lookup_maps_series_names_back_to_the_catalogue() -> None:
+    assert cat.lookup("dataloader_time_seconds_bucket") is cat.TIME
+    assert cat.lookup(cat.BATCHES.name) is cat.BATCHES
+    assert cat.lookup("dataloader_batches_total_bucket") is None
+    assert cat.lookup("no_such_metric") is None

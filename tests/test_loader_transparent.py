@@ -1,0 +1,185 @@
+"""The instrumentation never changes what the training loop sees."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from helpers import FailingDataset, RangeIterable, SizedRangeIterable, SleepDataset, value
+from prometheus_client import CollectorRegistry
+from torch.utils.data import DataLoader as TorchDataLoader
+
+import instrument
+from exporter import catalogue as cat
+
+WORKERS = [0, 2]
+
+
+def batches(loader: Any, epochs: int = 1) -> list[list[Any]]:
+    out = []
+    for _ in range(epochs):
+        out.append([_plain(b) for b in loader])
+    return out
+
+
+def _plain(b: Any) -> Any:
+    if isinstance(b, torch.Tensor):
+        return b.tolist()
+    if isinstance(b, (list, tuple)):
+        return [_plain(x) for x in b]
+    return b
+
+
+def pair(dataset: Any, registry: CollectorRegistry, **kw: Any) -> tuple[Any, Any]:
+    """The same loader twice, bare and instrumented, with equal seeded generators."""
+    bare = TorchDataLoader(dataset, generator=torch.Generator().manual_seed(7), **kw)
+    ours = instrument.DataLoader(dataset, generator=torch.Generator().manual_seed(7),
+                                 name="t", registry=registry, **kw)
+    return bare, ours
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_shuffled_batches_arrive_identical_and_in_the_same_order(
+        registry: CollectorRegistry, workers: int, persistent: bool) -> None:
+    if persistent and not workers:
+        pytest.skip("persistent_workers needs workers")
+    kw = {"batch_size": 3, "shuffle": True, "num_workers": workers,
+          "persistent_workers": persistent}
+    bare, ours = pair(SleepDataset(10), registry, **kw)
+    assert batches(ours, 2) == batches(bare, 2)
+    assert len(ours) == len(bare) == 4
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_iterable_datasets_give_the_same_items(registry: CollectorRegistry,
+                                               workers: int) -> None:
+    bare, ours = pair(RangeIterable(9), registry, batch_size=2, num_workers=workers)
+    assert batches(ours) == batches(bare)
+    assert value(registry, cat.SAMPLES.name, loader="t", rank="0") == 9
+
+
+def test_len_of_an_iterable_without_len_raises_the_same_type_error(
+        registry: CollectorRegistry) -> None:
+    bare, ours = pair(RangeIterable(4), registry, batch_size=2)
+    with pytest.raises(TypeError) as theirs:
+        len(bare)
+    with pytest.raises(TypeError) as mine:
+        len(ours)
+    assert str(mine.value) == str(theirs.value)
+    sized_bare, sized = pair(SizedRangeIterable(4), registry, batch_size=2)
+    assert len(sized) == len(sized_bare) == 2
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_dataset_errors_reach_the_loop_with_the_same_type_and_message(
+        registry: CollectorRegistry, workers: int) -> None:
+    bare, ours = pair(FailingDataset(8, bad=5), registry, batch_size=2, num_workers=workers)
+    got = []
+    with pytest.raises(ValueError) as theirs:
+        for _ in bare:
+            pass
+    with pytest.raises(ValueError) as mine:
+        for b in ours:
+            got.append(b)
+    assert len(got) == 2
+    assert str(mine.value).splitlines()[0] == str(theirs.value).splitlines()[0]
+    assert "corrupt sample 5" in str(mine.value)
+
+
+def test_an_exhausted_iterator_keeps_raising_stop_iteration(
+        registry: CollectorRegistry) -> None:
+    loader = instrument.DataLoader(SleepDataset(2), batch_size=2, name="t", registry=registry)
+    it = iter(loader)
+    next(it)
+    for _ in range(2):
+        with pytest.raises(StopIteration):
+            next(it)
+    assert len(it) == 1
+    assert value(registry, cat.BATCHES.name, loader="t", rank="0") == 1
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_break_mid_epoch_then_a_full_epoch_works(registry: CollectorRegistry,
+                                                 workers: int) -> None:
+    bare, ours = pair(SleepDataset(8), registry, batch_size=2, num_workers=workers)
+    for i, _ in enumerate(ours):
+        if i == 1:
+            break
+    assert batches(ours) == batches(bare)
+    assert value(registry, cat.BATCHES.name, loader="t", rank="0") == 2 + 4
+    assert value(registry, cat.WORKERS_LOST.name, loader="t", rank="0") == 0
+
+
+def test_nested_iteration_over_one_loader_matches_torch(registry: CollectorRegistry) -> None:
+    bare, ours = pair(SleepDataset(4), registry, batch_size=2)
+    mine = [(_plain(a), _plain(b)) for a in ours for b in ours]
+    theirs = [(_plain(a), _plain(b)) for a in bare for b in bare]
+    assert mine == theirs
+
+
+def test_the_loader_is_still_a_torch_dataloader_with_the_users_dataset(
+        registry: CollectorRegistry) -> None:
+    ds = SleepDataset(4)
+    loader = instrument.DataLoader(ds, batch_size=2, num_workers=2, name="t", registry=registry)
+    for _ in loader:
+        assert loader.dataset is ds
+    assert isinstance(loader, TorchDataLoader)
+    assert loader.dataset is ds and loader.worker_init_fn is None
+    assert loader.collate_fn is torch.utils.data.default_collate
+
+
+def _seed_worker(worker_id: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    assert info is not None
+    info.dataset.offset = 1000  # the worker's copy of the dataset
+
+
+class OffsetDataset(SleepDataset):
+    offset = 0
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x, y = super().__getitem__(i)
+        return x + self.offset, y
+
+
+def test_worker_init_fn_sees_the_users_dataset_object(registry: CollectorRegistry) -> None:
+    loader = instrument.DataLoader(OffsetDataset(4), batch_size=1, num_workers=2, name="t",
+                                   registry=registry, worker_init_fn=_seed_worker)
+    assert sorted(int(x[0][0]) for x, _ in loader) == [1000, 1001, 1002, 1003]
+
+
+def test_a_pickled_loader_unpickles_and_iterates_the_same(registry: CollectorRegistry) -> None:
+    loader = instrument.DataLoader(SleepDataset(6), batch_size=2, name="pickled",
+                                   registry=registry)
+    copy = pickle.loads(pickle.dumps(loader))
+    assert isinstance(copy, instrument.DataLoader) and copy.name == "pickled"
+    assert batches(copy) == batches(loader)
+
+
+def test_spawned_workers_give_the_same_batches_and_report_busy_time(
+        registry: CollectorRegistry) -> None:
+    kw = {"batch_size": 2, "num_workers": 2, "multiprocessing_context": "spawn"}
+    bare, ours = pair(SleepDataset(6, 0.01), registry, **kw)
+    assert batches(ours) == batches(bare)
+    busy = [registry.get_sample_value(cat.WORKER_BUSY.name,
+                                      {"loader": "t", "rank": "0", "worker": w})
+            for w in ("0", "1")]
+    assert all(b is not None and b > 0 for b in busy), busy
+
+
+def test_wrapped_loader_delegates_len_attributes_and_batches(
+        registry: CollectorRegistry) -> None:
+    inner = TorchDataLoader(SleepDataset(5), batch_size=2)
+    loader = instrument.wrap(inner, name="t", registry=registry)
+    assert len(loader) == len(inner) == 3
+    assert loader.batch_size == 2 and loader.dataset is inner.dataset
+    assert batches(loader) == batches(inner)
+    generator = instrument.wrap(iter([torch.ones(2), torch.zeros(3)]), name="g",
+                                registry=registry)
+    with pytest.raises(TypeError):
+        len(generator)
+    assert [b.shape[0] for b in generator] == [2, 3]
+    assert value(registry, cat.SAMPLES.name, loader="g", rank="0") == 5

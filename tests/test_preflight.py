@@ -1,0 +1,115 @@
+"""The configuration line and each once-only warning, on real loaders."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from helpers import SleepDataset
+from prometheus_client import CollectorRegistry
+
+import instrument
+from instrument.env import ShmSpace, physical_cores
+from instrument.preflight import LoaderConfig, Preflight, shm_needed, shm_size_advice
+
+MiB = 1024**2
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def run(loader: instrument.DataLoader, epochs: int = 1) -> None:
+    for _ in range(epochs):
+        for _ in loader:
+            pass
+
+
+def test_first_iteration_logs_the_effective_configuration_once(
+        registry: CollectorRegistry, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="instrument")
+    run(instrument.DataLoader(SleepDataset(4), batch_size=2, name="t", registry=registry), 3)
+    lines = [r.getMessage() for r in caplog.records if "num_workers=0 prefetch_factor" in
+             r.getMessage()]
+    assert len(lines) == 1
+    assert f"physical cores={physical_cores()}" in lines[0] and "/dev/shm size=" in lines[0]
+
+
+def test_num_workers_zero_warns_once(registry: CollectorRegistry,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    run(instrument.DataLoader(SleepDataset(4), batch_size=2, name="t", registry=registry), 3)
+    assert [w for w in warnings_of(caplog) if "num_workers=0" in w] == [
+        warnings_of(caplog)[0]]
+    assert len(warnings_of(caplog)) == 1
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_more_workers_than_physical_cores_warns(registry: CollectorRegistry,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    n = physical_cores() + 1
+    run(instrument.DataLoader(SleepDataset(n), batch_size=1, num_workers=n, name="t",
+                              registry=registry))
+    assert any(f"num_workers={n} exceeds the {physical_cores()} physical cores" in w
+               for w in warnings_of(caplog))
+
+
+def test_non_persistent_workers_warn_from_the_second_epoch(
+        registry: CollectorRegistry, caplog: pytest.LogCaptureFixture) -> None:
+    loader = instrument.DataLoader(SleepDataset(2), batch_size=1, num_workers=1, name="t",
+                                   registry=registry)
+    run(loader)
+    assert not any("persistent_workers" in w for w in warnings_of(caplog))
+    run(loader, 2)
+    assert len([w for w in warnings_of(caplog) if "persistent_workers=True" in w]) == 1
+
+
+def test_persistent_workers_do_not_warn(registry: CollectorRegistry,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    run(instrument.DataLoader(SleepDataset(2), batch_size=1, num_workers=1, name="t",
+                              persistent_workers=True, registry=registry), 2)
+    assert warnings_of(caplog) == []
+
+
+def test_pin_memory_off_warns_once_when_batches_go_to_cuda(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # No GPU here: the CUDA branch of to_device calls exactly this hook (loader.py).
+    pre = Preflight("t")
+    for _ in range(3):
+        pre.on_cuda_transfer(LoaderConfig(2, 8, 2, False, True))
+    pre.on_cuda_transfer(LoaderConfig(2, 8, 2, True, True))
+    assert len([w for w in warnings_of(caplog) if "pin_memory=True" in w]) == 1
+
+
+def test_batches_that_would_overflow_shm_warn_with_the_numbers_and_the_fix(
+        registry: CollectorRegistry, caplog: pytest.LogCaptureFixture) -> None:
+    loader = instrument.DataLoader(SleepDataset(8, width=256 * 1024), batch_size=4,
+                                   num_workers=2, persistent_workers=True, name="t",
+                                   registry=registry)
+    # A Docker-default 64 MiB /dev/shm, mostly full, injected (this machine's is 24 GB).
+    loader._dle.preflight = Preflight(
+        "t", shm_probe=lambda p: ShmSpace(p, 64 * MiB, 16 * MiB))
+    run(loader, 2)
+    shm = [w for w in warnings_of(caplog) if "bus error" in w]
+    assert len(shm) == 1
+    # A 4 MiB batch x prefetch 2 x 2 workers x 1.5 = 24 MiB > 16 MiB free.
+    batch = 4 * 256 * 1024 * 4 + 4 * 8
+    need = shm_needed(batch, LoaderConfig(2, 4, 2, False, True))
+    assert need == int(batch * 2 * 2 * 1.5)
+    assert "4.0 MiB x prefetch_factor 2 x 2 workers x 1.5 = 24.0 MiB" in shm[0]
+    assert "has only 16.0 MiB free (of 64.0 MiB)" in shm[0]
+    assert "--shm-size=1g" in shm[0]
+
+
+def test_batches_that_fit_in_shm_do_not_warn(registry: CollectorRegistry,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    loader = instrument.DataLoader(SleepDataset(8, width=1024), batch_size=4, num_workers=2,
+                                   persistent_workers=True, name="t", registry=registry)
+    loader._dle.preflight = Preflight("t", shm_probe=lambda p: ShmSpace(p, 64 * MiB, 60 * MiB))
+    run(loader)
+    assert warnings_of(caplog) == []
+
+
+def test_shm_size_advice_rounds_up_to_whole_gibibytes_with_headroom() -> None:
+    assert shm_size_advice(10 * MiB) == "1g"
+    assert shm_size_advice(1024 * MiB) == "2g"
+    assert shm_size_advice(7 * 1024 * MiB) == "9g"

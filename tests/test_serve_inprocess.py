@@ -1,0 +1,56 @@
+"""In-process serving: the trainer's registry over real HTTP."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+import pytest
+from helpers import SleepDataset, parse
+from prometheus_client import CollectorRegistry
+
+import instrument
+from exporter import catalogue as cat
+
+
+def get(url: str, accept: str | None = None) -> tuple[int, str, str]:
+    req = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", ""), e.read().decode()
+
+
+def test_serve_exposes_the_loaders_metrics_and_the_usual_endpoints(
+        registry: CollectorRegistry) -> None:
+    handle = instrument.serve(0, addr="127.0.0.1", registry=registry)
+    try:
+        loader = instrument.DataLoader(SleepDataset(6), batch_size=2, name="t",
+                                       registry=registry)
+        for _ in loader:
+            pass
+        status, ctype, body = get(handle.url + "/metrics")
+        assert status == 200 and ctype.startswith("text/plain")
+        assert parse(body)[(cat.BATCHES.name, (("loader", "t"), ("rank", "0")))] == 3
+        status, ctype, body = get(handle.url + "/metrics",
+                                  "application/openmetrics-text; version=1.0.0")
+        assert status == 200 and ctype.startswith("application/openmetrics-text")
+        assert body.rstrip().endswith("# EOF")
+        assert get(handle.url + "/")[0] == 200 and "/metrics" in get(handle.url + "/")[2]
+        assert get(handle.url + "/-/healthy")[:1] == (200,)
+        assert get(handle.url + "/nope")[0] == 404
+    finally:
+        handle.shutdown()
+
+
+def test_a_taken_port_is_logged_and_the_loader_still_works(
+        registry: CollectorRegistry, caplog: pytest.LogCaptureFixture) -> None:
+    handle = instrument.serve(0, addr="0.0.0.0", registry=CollectorRegistry())
+    try:
+        loader = instrument.DataLoader(SleepDataset(4), batch_size=2, name="t",
+                                       port=handle.port, registry=registry)
+        assert len(list(loader)) == 2
+        assert any("cannot serve metrics" in r.getMessage() for r in caplog.records)
+    finally:
+        handle.shutdown()

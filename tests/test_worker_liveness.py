@@ -1,0 +1,69 @@
+"""A killed worker shows up in the metrics, and torch's own error still reaches the loop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from helpers import SleepDataset, value
+from prometheus_client import CollectorRegistry
+
+import instrument
+from exporter import catalogue as cat
+
+L = {"loader": "t", "rank": "0"}
+
+
+def _worker_pids() -> list[int]:
+    return [c.pid for c in psutil.Process().children() if c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_sigkilled_worker_shows_as_one_fewer_active_within_two_seconds(
+        registry: CollectorRegistry) -> None:
+    loader = instrument.DataLoader(SleepDataset(400, 0.005), batch_size=1, num_workers=2,
+                                   persistent_workers=True, name="t", registry=registry)
+    it = iter(loader)
+    next(it)
+    assert value(registry, cat.WORKERS_ACTIVE.name, **L) == 2
+    seen_at: list[float] = []
+
+    def scraper() -> None:  # a scrape from another thread, as the snapshot writer does
+        end = time.monotonic() + 5
+        while time.monotonic() < end and not seen_at:
+            if value(registry, cat.WORKERS_ACTIVE.name, **L) == 1:
+                seen_at.append(time.monotonic())
+            time.sleep(0.05)
+
+    victim = _worker_pids()[0]
+    poller = threading.Thread(target=scraper)
+    poller.start()
+    killed_at = time.monotonic()
+    # torch's own error (raised by its SIGCHLD handler wherever the main thread is, or
+    # by its queue checks) reaches the training loop unchanged.
+    with pytest.raises(RuntimeError) as err:
+        os.kill(victim, signal.SIGKILL)
+        for _ in it:
+            pass
+    assert f"DataLoader worker (pid {victim}) is killed by signal" in str(err.value) or (
+        f"DataLoader worker (pid(s) {victim})" in str(err.value)), err.value
+    poller.join()
+    assert seen_at and seen_at[0] - killed_at < 2.0
+    assert value(registry, cat.WORKERS_LOST.name, **L) == 1
+    assert value(registry, cat.WORKERS_CONFIGURED.name, **L) == 2
+
+
+def test_workers_that_exit_cleanly_are_not_counted_as_lost(
+        registry: CollectorRegistry) -> None:
+    loader = instrument.DataLoader(SleepDataset(6), batch_size=2, num_workers=2, name="t",
+                                   registry=registry)
+    for _ in range(2):
+        for _ in loader:
+            value(registry, cat.WORKERS_ACTIVE.name, **L)  # refresh mid-epoch
+    for _ in range(3):  # several refreshes after the workers are gone
+        loader._dle.rec.flush(now=1e12 + _)
+    assert value(registry, cat.WORKERS_LOST.name, **L) == 0
+    assert value(registry, cat.WORKERS_ACTIVE.name, **L) == 0
