@@ -7,6 +7,7 @@ the Accept header asks for it).
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
@@ -30,6 +31,10 @@ StartResponse = Callable[..., Any]
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     allow_reuse_address = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -88,7 +93,9 @@ class ServerHandle:
 
 def serve(registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0) -> ServerHandle:
     """Serves the registry on host:port (0 picks a free port) in a daemon thread."""
-    server = make_server(host, port, make_app(registry), _Server, handler_class=_QuietHandler)
+    server_class = _Server6 if ":" in host else _Server
+    server = make_server(host, port, make_app(registry), server_class,
+                         handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, name="dataloader-exporter-http",
                               daemon=True)
     thread.start()

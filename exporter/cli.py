@@ -1,0 +1,90 @@
+"""The dataloader-exporter command: flags -> config -> registry -> serve."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry
+
+from exporter import __version__, config
+from exporter.http import serve
+from exporter.sources import attach, system_sources, trainer_source
+
+log = logging.getLogger("exporter")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dataloader-exporter",
+        description="Prometheus exporter for PyTorch DataLoader, GPU, /dev/shm and host metrics.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve_p = sub.add_parser("serve", help="serve /metrics (sidecar mode)",
+                             description="Serve trainer snapshot files together with GPU, "
+                                         "/dev/shm and host metrics.")
+    config.add_flags(serve_p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    if args.command == "serve":
+        return run_serve(args, unknown)
+    return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _fail(problems: Sequence[str]) -> int:
+    for p in problems:
+        print(f"dataloader-exporter: error: {p}", file=sys.stderr)
+    print("dataloader-exporter: see `dataloader-exporter serve --help`", file=sys.stderr)
+    return 2
+
+
+def run_serve(args: argparse.Namespace, unknown: Sequence[str]) -> int:
+    problems = [f"unknown flag {u!r}" for u in unknown]
+    try:
+        cfg = config.build(args)
+    except config.ConfigError as e:
+        problems += e.problems
+        cfg = None
+    if problems or cfg is None:
+        return _fail(problems)
+    logging.basicConfig(level=config.logging_level(cfg.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    registry = CollectorRegistry()
+    sources = system_sources(cfg.shm_path, gpu="gpu" in cfg.collectors,
+                             shm="shm" in cfg.collectors, host="host" in cfg.collectors)
+    if "trainer" in cfg.collectors and cfg.metrics_dir is not None:
+        sources.insert(0, trainer_source(cfg.metrics_dir, cfg.stale_after))
+    supervisor = attach(registry, sources)
+    try:
+        handle = serve(registry, cfg.host, cfg.port)
+    except OSError as e:
+        return _fail([f"cannot listen on {cfg.listen_address}: {e.strerror or e}"])
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()  # nothing else here: a signal handler must not take locks
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("dataloader-exporter %s listening on %s (collectors: %s)", __version__,
+             handle.url, ", ".join(s.name for s in sources) or "none")
+    stop.wait()
+    log.info("shutting down")
+    handle.shutdown()
+    supervisor.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

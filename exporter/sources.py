@@ -1,0 +1,36 @@
+"""Building the collector set, shared by the sidecar CLI and in-process serving."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from .collectors.base import SourceCollector
+from .collectors.gpu import GpuCollector
+from .collectors.host import HostCollector
+from .collectors.shm import ShmCollector
+from .collectors.supervisor import Supervisor
+from .collectors.trainer import TrainerCollector
+
+
+def system_sources(shm_path: str = "/dev/shm", gpu: bool = True, shm: bool = True,
+                   host: bool = True) -> list[SourceCollector]:
+    """The GPU, shm and host collectors that were asked for."""
+    sources: list[SourceCollector] = []
+    if gpu:
+        sources.append(GpuCollector())
+    if shm:
+        sources.append(ShmCollector(shm_path))
+    if host:
+        sources.append(HostCollector())
+    return sources
+
+
+def trainer_source(metrics_dir: str, stale_after: float) -> SourceCollector:
+    return TrainerCollector(metrics_dir, stale_after)
+
+
+def attach(registry: CollectorRegistry, sources: list[SourceCollector]) -> Supervisor:
+    """Registers one Supervisor over `sources` (and the self metrics) in `registry`."""
+    supervisor = Supervisor(sources)
+    registry.register(supervisor)
+    return supervisor
