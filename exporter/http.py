@@ -31,6 +31,7 @@ StartResponse = Callable[..., Any]
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # socketserver's default of 5 drops bursts of scrapes
 
 
 class _Server6(_Server):

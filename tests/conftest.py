@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 
 import pytest
+from procs import Prometheus
 from prometheus_client import CollectorRegistry
 
 IN_CI = os.environ.get("CI") == "true"
@@ -30,3 +32,11 @@ def require_binary(name: str) -> str:
 @pytest.fixture(scope="session")
 def promtool() -> str:
     return require_binary("promtool")
+
+
+@pytest.fixture(scope="session")
+def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    """One real Prometheus for the whole session; tests add file_sd targets to it."""
+    server = Prometheus(require_binary("prometheus"), tmp_path_factory.mktemp("prometheus"))
+    yield server
+    server.stop()
