@@ -129,11 +129,11 @@ class Exporter:
     LISTENING = re.compile(r"listening on (http://\S+)")
 
     def __init__(self, *args: str, env: dict[str, str] | None = None,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, cwd: Path = REPO) -> None:
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
             [python, "-m", "exporter", "serve", "--web.listen-address=127.0.0.1:0", *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd,
             env={**os.environ, **(env or {})})
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -1,0 +1,28 @@
+# The exporter sidecar: no torch, a venv, a non-root user.
+#   docker build -t dataloader-exporter .
+#   docker run --rm -p 9478:9478 -v metrics:/run/dataloader-exporter:ro \
+#     --ipc=container:<trainer> dataloader-exporter
+FROM python:3.11-slim AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+RUN python -m venv /opt/venv
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY exporter ./exporter
+COPY instrument ./instrument
+COPY dashboards ./dashboards
+# The base install only: prometheus_client, nvidia-ml-py, psutil (no torch extra).
+RUN /opt/venv/bin/pip install .
+
+FROM python:3.11-slim
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    DATALOADER_EXPORTER_DIR=/run/dataloader-exporter \
+    NVIDIA_DRIVER_CAPABILITIES=utility
+RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin exporter \
+    && mkdir -p /run/dataloader-exporter
+USER 10001
+EXPOSE 9478
+HEALTHCHECK --interval=15s --timeout=3s --start-period=5s \
+    CMD ["python", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:9478/-/healthy', timeout=2)"]
+ENTRYPOINT ["dataloader-exporter", "serve"]
