@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
-from exporter import __version__, config
+from exporter import __version__, config, doctor_cli, top
 from exporter.http import serve
 from exporter.sources import attach, system_sources, trainer_source
 
@@ -28,7 +28,23 @@ def _parser() -> argparse.ArgumentParser:
                              description="Serve trainer snapshot files together with GPU, "
                                          "/dev/shm and host metrics.")
     config.add_flags(serve_p)
+    doctor_cli.add_parser(sub)
+    top.add_parser(sub)
+    _add_demo(sub)
     return parser
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    """The demo needs torch, which the exporter never imports: its flags live here."""
+    p = sub.add_parser("demo", help="a starved and a tuned CPU training run, side by side "
+                                    "(needs the torch extra)")
+    p.add_argument("--duration", type=float, default=60.0,
+                   help="seconds of training in all, split between the two runs (default 60)")
+    p.add_argument("--port", type=int, default=9478,
+                   help="serve /metrics on 127.0.0.1:PORT meanwhile (0: any free port)")
+    p.add_argument("--samples", type=int, default=1024, help="samples per epoch")
+    p.add_argument("--keep-serving", action="store_true",
+                   help="keep serving /metrics after the runs, until Ctrl-C")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -39,6 +55,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         return run_serve(args, unknown)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "doctor":
+        return doctor_cli.run(args)
+    if args.command == "demo":
+        from instrument import demo
+
+        return demo.run(args)
+    if args.command == "top":
+        return top.run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.metrics_core import Metric as Family
-from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import catalogue as cat
 
 from .base import LogOnce, family
+from .textparse import ParsedFamily, parse
 
 log = logging.getLogger("exporter")
 
@@ -52,6 +52,9 @@ class TrainerCollector:
         self.up = True
         self.errors = 0
         self._log = LogOnce(log)
+        # Parsed files by path, reused while (mtime, size, inode) stay the same: several
+        # scrapers (Prometheus replicas, doctor, top) within one write period parse once.
+        self._cache: dict[str, tuple[tuple[int, int, int], list[ParsedFamily]]] = {}
 
     def collect(self) -> Iterator[Family]:
         now = self.clock()
@@ -59,16 +62,21 @@ class TrainerCollector:
         merged: dict[str, _Merged] = {}
         claimed: set[tuple[str, str]] = set()  # (loader, rank) pairs of newer files
         newest = None
-        for mtime, path in sorted(fresh, reverse=True):
-            text = self._read(path)
-            if text is None:
-                continue
-            parsed = self._parse(path, text)
+        cache: dict[str, tuple[tuple[int, int, int], list[ParsedFamily]]] = {}
+        for mtime, path, stamp in sorted(fresh, reverse=True):
+            hit = self._cache.get(path)
+            if hit is not None and hit[0] == stamp:
+                parsed: list[ParsedFamily] | None = hit[1]
+            else:
+                text = self._read(path)
+                parsed = None if text is None else self._parse(path, text)
             if parsed is None:
                 continue
+            cache[path] = (stamp, parsed)
             newest = mtime if newest is None else max(newest, mtime)
             owners = _merge(parsed, merged, claimed)
             claimed |= owners
+        self._cache = cache  # only files still present and fresh stay cached
         yield from _families(merged)
         files = family(cat.SNAPSHOT_FILES)
         files.add_metric(["fresh"], len(fresh))
@@ -79,7 +87,7 @@ class TrainerCollector:
             age.add_metric([], max(0.0, now - newest))
             yield age
 
-    def _scan(self, now: float) -> tuple[list[tuple[float, str]], int]:
+    def _scan(self, now: float) -> tuple[list[tuple[float, str, tuple[int, int, int]]], int]:
         try:
             entries = list(os.scandir(self.directory))
         except OSError as e:
@@ -94,13 +102,13 @@ class TrainerCollector:
             if not entry.name.endswith(SUFFIX):
                 continue  # temporary files of writers mid-write, anything else
             try:
-                mtime = entry.stat().st_mtime
+                st = entry.stat()
             except OSError:  # vanished since the listing: not an error
                 continue
-            if now - mtime > self.stale_after:
+            if now - st.st_mtime > self.stale_after:
                 stale += 1
             else:
-                fresh.append((mtime, entry.path))
+                fresh.append((st.st_mtime, entry.path, (st.st_mtime_ns, st.st_size, st.st_ino)))
         return fresh, stale
 
     def _read(self, path: str) -> str | None:
@@ -113,13 +121,13 @@ class TrainerCollector:
             self._error(path, e)
             return None
 
-    def _parse(self, path: str, text: str) -> list[Family] | None:
+    def _parse(self, path: str, text: str) -> list[ParsedFamily] | None:
         if text and not text.endswith("\n"):
             self._error(path, ValueError("truncated (no final newline)"))
             return None
         try:
-            return list(text_string_to_metric_families(text))
-        except Exception as e:  # the parser raises ValueError, IndexError, ...
+            return parse(text)
+        except ValueError as e:
             self._error(path, e)
             return None
 
@@ -128,13 +136,17 @@ class TrainerCollector:
         self._log.problem(f"file:{os.path.basename(path)}", "skipping snapshot %s: %s", path, e)
 
 
-def _owner(labels: dict[str, str]) -> tuple[str, str] | None:
-    if "loader" in labels and "rank" in labels:
-        return labels["loader"], labels["rank"]
-    return None
+def _owner(labels: tuple[tuple[str, str], ...]) -> tuple[str, str] | None:
+    loader = rank = None
+    for k, v in labels:
+        if k == "loader":
+            loader = v
+        elif k == "rank":
+            rank = v
+    return (loader, rank) if loader is not None and rank is not None else None
 
 
-def _merge(parsed: list[Family], merged: dict[str, _Merged],
+def _merge(parsed: list[ParsedFamily], merged: dict[str, _Merged],
            claimed: set[tuple[str, str]]) -> set[tuple[str, str]]:
     """Adds one file's samples unless a newer file already has them; returns its owners."""
     owners: set[tuple[str, str]] = set()
@@ -143,17 +155,17 @@ def _merge(parsed: list[Family], merged: dict[str, _Merged],
             continue
         slot = merged.get(fam.name)
         if slot is None:
-            slot = merged[fam.name] = _Merged(fam.type, fam.documentation)
+            slot = merged[fam.name] = _Merged(fam.type, fam.help)
         elif slot.type != fam.type:
             continue
-        for s in fam.samples:
-            owner = _owner(s.labels)
+        samples = slot.samples
+        for name, labels, value in fam.samples:
+            owner = _owner(labels)
             if owner is not None:
                 if owner in claimed:
                     continue
                 owners.add(owner)
-            key = (s.name, tuple(sorted(s.labels.items())))
-            slot.samples.setdefault(key, s.value)
+            samples.setdefault((name, labels), value)
     return owners
 
 

@@ -1,0 +1,79 @@
+"""`dataloader-exporter doctor`: read the metrics, print the diagnosis, exit 0/1/2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+
+from exporter import promsource
+from exporter.doctor import Report, diagnose
+from exporter.machine import local_machine
+from exporter.signals import Scrape, Window, loaders
+
+EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_UNREADABLE = 0, 1, 2
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="diagnose the input pipeline and say what to change",
+                       description="Reads the metrics twice (--url) or over a time range "
+                                   "(--prometheus), adds this machine's facts, and prints a "
+                                   "diagnosis per loader and rank. Exit status: 0 healthy, "
+                                   "1 problems found, 2 the metrics could not be read.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="an exporter's /metrics URL (scraped twice)")
+    src.add_argument("--prometheus", metavar="URL", help="a Prometheus server's base URL")
+    p.add_argument("--interval", type=float, default=10.0,
+                   help="seconds between the two scrapes of --url (default 10)")
+    p.add_argument("--range", type=float, default=600.0, dest="range_seconds",
+                   help="seconds of history to read from --prometheus (default 600)")
+    p.add_argument("--match", default="", help="label matchers for --prometheus, e.g. "
+                                                 "'job=\"train\"'")
+    p.add_argument("--data-path", default=".", help="where the training data lives, to tell "
+                                                     "its storage type (default .)")
+    p.add_argument("--local-ranks", type=int, default=0,
+                   help="training processes on this machine (default: ranks seen)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+
+
+def build_report(window: Window, source: str, data_path: str = ".",
+                 local_ranks: int = 0) -> Report:
+    sigs = loaders(window)
+    ranks = local_ranks or max(1, len({s.rank for s in sigs}))
+    machine = local_machine(data_path)
+    return Report(source, machine, [diagnose(s, machine, ranks) for s in sigs])
+
+
+def scrape_window(url: str, interval: float,
+                  sleep: Callable[[float], None] = time.sleep) -> Window:
+    first = Scrape.fetch(url)
+    sleep(interval)
+    return Window.between(first, Scrape.fetch(url))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.interval <= 0 or args.range_seconds <= 0 or args.local_ranks < 0:
+        print("dataloader-exporter doctor: --interval, --range and --local-ranks must be "
+              "positive", file=sys.stderr)
+        return EXIT_UNREADABLE
+    try:
+        if args.url:
+            window = scrape_window(args.url, args.interval)
+            source = f"{args.url}, {args.interval:g} s between scrapes"
+        else:
+            window = promsource.window(args.prometheus, args.range_seconds, args.match)
+            source = f"{args.prometheus}, last {args.range_seconds:g} s"
+    except (OSError, ValueError) as e:
+        print(f"dataloader-exporter doctor: cannot read the metrics: {e}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    report = build_report(window, source, args.data_path, args.local_ranks)
+    if not report.diagnoses:
+        print(f"dataloader-exporter doctor: no DataLoader metrics at {source}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    if args.format == "json":
+        print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
+    else:
+        print(report.text(), end="")
+    return EXIT_HEALTHY if report.healthy else EXIT_PROBLEMS

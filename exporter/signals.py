@@ -1,0 +1,221 @@
+"""From scrapes to the signals a person reads: per (loader, rank) stall share, waits, rates.
+
+Shared by `doctor` and `top`. A window is two readings of the same series: counters and
+histograms are read as their increase over the window (resets count from zero, as
+Prometheus's increase() does), gauges as their latest value. Windows come from two
+scrapes of /metrics or from Prometheus's increase() over a time range.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter import catalogue as cat
+
+Labels = tuple[tuple[str, str], ...]
+Series = dict[tuple[str, Labels], float]
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One parsed exposition and when it was taken."""
+
+    at: float
+    series: Series
+
+    @classmethod
+    def parse(cls, text: str, at: float | None = None) -> Scrape:
+        series: Series = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                series[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return cls(time.time() if at is None else at, series)
+
+    @classmethod
+    def fetch(cls, url: str, timeout: float = 10.0) -> Scrape:
+        """GET a /metrics URL; raises OSError or ValueError when it cannot be read."""
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return cls.parse(r.read().decode("utf-8"))
+
+
+@dataclass(frozen=True)
+class Window:
+    """Increases of counters and histograms over `seconds`, and gauges at its end."""
+
+    seconds: float
+    increase: Series
+    latest: Series
+    change: Series = field(default_factory=dict)  # gauges: latest minus first value
+
+    @classmethod
+    def between(cls, first: Scrape, second: Scrape) -> Window:
+        inc: Series = {}
+        change: Series = {}
+        for key, v in second.series.items():
+            before = first.series.get(key, 0.0)
+            inc[key] = v - before if v >= before else v  # a reset: count from zero
+            change[key] = v - before
+        return cls(max(second.at - first.at, 1e-9), inc, dict(second.series), change)
+
+
+def _get(series: Series, name: str, **labels: str) -> float | None:
+    return series.get((name, tuple(sorted(labels.items()))))
+
+
+def quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
+    """histogram_quantile over (le, cumulative count) pairs, interpolating linearly."""
+    pts = sorted(buckets)
+    if not pts or pts[-1][1] <= 0:
+        return None
+    rank = q * pts[-1][1]
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in pts:
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le
+            width = count - prev_count
+            frac = (rank - prev_count) / width if width else 1.0
+            return prev_le + (le - prev_le) * frac
+        prev_le, prev_count = le, count
+    return prev_le
+
+
+@dataclass
+class LoaderSignals:
+    """What one (loader, rank) did in a window, plus the machine-wide gauges beside it."""
+
+    loader: str
+    rank: str
+    instance: str = ""
+    seconds: float = 0.0
+    fetch_seconds: float = 0.0
+    step_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    transfer_bytes: float = 0.0
+    batches: float = 0.0
+    samples: float = 0.0
+    epochs: float = 0.0
+    fetch_p50: float | None = None
+    fetch_p95: float | None = None
+    first_batch_mean: float | None = None
+    median_wait: float | None = None
+    workers_configured: float | None = None
+    workers_active: float | None = None
+    workers_lost: float = 0.0
+    worker_busy_seconds: float = 0.0
+    batch_bytes: float | None = None
+    config: dict[str, str] = field(default_factory=dict)
+    shm_size: float | None = None
+    shm_used: float | None = None
+    shm_free: float | None = None
+    memory_total: float | None = None
+    memory_available: float | None = None
+    swap_used: float | None = None
+    swap_growth: float = 0.0
+    gpu_utilization: float | None = None
+
+    @property
+    def stall_share(self) -> float | None:
+        total = self.fetch_seconds + self.step_seconds
+        return self.fetch_seconds / total if total > 0 else None
+
+    @property
+    def batches_per_second(self) -> float:
+        return self.batches / self.seconds if self.seconds else 0.0
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds else 0.0
+
+    @property
+    def worker_busy_share(self) -> float | None:
+        n = self.workers_configured
+        if not n or not self.seconds:
+            return None
+        return self.worker_busy_seconds / (n * self.seconds)
+
+    @property
+    def shm_fill(self) -> float | None:
+        if self.shm_size and self.shm_used is not None:
+            return self.shm_used / self.shm_size
+        return None
+
+
+def _buckets(series: Series, name: str, want: dict[str, str]) -> list[tuple[float, float]]:
+    out = []
+    for (n, labels), v in series.items():
+        if n != name:
+            continue
+        d = dict(labels)
+        le = d.pop("le", None)
+        if le is not None and all(d.get(k) == val for k, val in want.items()):
+            out.append((float(le), v))
+    return out
+
+
+def loaders(window: Window) -> list[LoaderSignals]:
+    """One LoaderSignals per (loader, rank) found in the window, sorted."""
+    keys = set()
+    for name, labels in window.latest:
+        d = dict(labels)
+        if name == cat.BATCHES.name and "loader" in d and "rank" in d:
+            keys.add((d["loader"], d["rank"]))
+    return [_signals(window, loader, rank) for loader, rank in sorted(keys)]
+
+
+def _sum_matching(series: Series, name: str, want: dict[str, str]) -> float:
+    return sum(v for (n, labels), v in series.items()
+               if n == name and all(dict(labels).get(k) == val for k, val in want.items()))
+
+
+def _signals(w: Window, loader: str, rank: str) -> LoaderSignals:
+    lr = {"loader": loader, "rank": rank}
+    inc, last = w.increase, w.latest
+    fetch = {**lr, "phase": cat.PHASE_FETCH}
+    transfer = {**lr, "phase": cat.PHASE_TRANSFER}
+    s = LoaderSignals(loader, rank, seconds=w.seconds)
+    s.fetch_seconds = _get(inc, cat.TIME.name + "_sum", **fetch) or 0.0
+    s.transfer_seconds = _get(inc, cat.TIME.name + "_sum", **transfer) or 0.0
+    s.step_seconds = _get(inc, cat.STEP.name + "_sum", **lr) or 0.0
+    s.batches = _get(inc, cat.BATCHES.name, **lr) or 0.0
+    s.samples = _get(inc, cat.SAMPLES.name, **lr) or 0.0
+    s.epochs = _get(inc, cat.EPOCHS.name, **lr) or 0.0
+    s.transfer_bytes = _get(inc, cat.TRANSFER_BYTES.name, **lr) or 0.0
+    window_buckets = _buckets(inc, cat.TIME.name + "_bucket", fetch)
+    s.fetch_p50 = quantile(0.5, window_buckets)
+    s.fetch_p95 = quantile(0.95, window_buckets)
+    # Epoch starts are rare: judge them over the whole run, not just the window.
+    s.median_wait = quantile(0.5, _buckets(last, cat.TIME.name + "_bucket", fetch))
+    first_n = _get(last, cat.FIRST_BATCH.name + "_count", **lr)
+    if first_n:
+        s.first_batch_mean = (_get(last, cat.FIRST_BATCH.name + "_sum", **lr) or 0.0) / first_n
+    s.workers_configured = _get(last, cat.WORKERS_CONFIGURED.name, **lr)
+    s.workers_active = _get(last, cat.WORKERS_ACTIVE.name, **lr)
+    s.workers_lost = _get(last, cat.WORKERS_LOST.name, **lr) or 0.0
+    s.worker_busy_seconds = _sum_matching(inc, cat.WORKER_BUSY.name, lr)
+    s.batch_bytes = _get(last, cat.BATCH_BYTES.name, **lr)
+    for (n, labels), _v in last.items():
+        if n == cat.INFO.name and dict(labels).get("loader") == loader and (
+                dict(labels).get("rank") == rank):
+            s.config = {k: v for k, v in labels if k not in ("loader", "rank")}
+            s.instance = dict(labels).get("instance", "")
+    shm = [(dict(labels).get("path", ""), v) for (n, labels), v in last.items()
+           if n == cat.SHM_SIZE.name]
+    if shm:
+        path = "/dev/shm" if any(p == "/dev/shm" for p, _ in shm) else shm[0][0]
+        s.shm_size = _get(last, cat.SHM_SIZE.name, path=path)
+        s.shm_used = _get(last, cat.SHM_USED.name, path=path)
+        s.shm_free = _get(last, cat.SHM_FREE.name, path=path)
+    s.memory_total = _get(last, cat.HOST_MEMORY_TOTAL.name)
+    s.memory_available = _get(last, cat.HOST_MEMORY_AVAILABLE.name)
+    s.swap_used = _get(last, cat.HOST_SWAP_USED.name)
+    s.swap_growth = _get(w.change, cat.HOST_SWAP_USED.name) or 0.0
+    utils = [v for (n, _), v in last.items() if n == cat.GPU_UTILIZATION.name]
+    s.gpu_utilization = sum(utils) / len(utils) if utils else None
+    return s
