@@ -162,7 +162,7 @@ def _buckets(series: Series, name: str, want: dict[str, str]) -> list[tuple[floa
 def loaders(window: Window) -> list[LoaderSignals]:
     """One LoaderSignals per (loader, rank) found in the window, sorted."""
     keys = set()
-    for name, labels in window.latest:
+    for name, labels in [*window.latest, *window.increase]:
         d = dict(labels)
         if name == cat.BATCHES.name and "loader" in d and "rank" in d:
             keys.add((d["loader"], d["rank"]))

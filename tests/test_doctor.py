@@ -1,0 +1,247 @@
+"""The doctor on live metrics: a real loader serving in-process, the real CLI scraping it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import SleepDataset
+from procs import REPO, Prometheus
+from prometheus_client import CollectorRegistry
+
+import instrument
+from exporter.doctor import diagnose
+from exporter.machine import Machine, storage_kind
+from exporter.signals import LoaderSignals, quantile
+
+INTERVAL = 1.5
+TOP_KEYS = {"healthy", "machine", "loaders", "source"}
+LOADER_KEYS = {"loader", "rank", "verdict", "figures", "findings", "recommendations", "healthy"}
+
+
+def doctor(url: str, train: Callable[[], None], *extra: str) -> tuple[int, dict[str, Any]]:
+    """Starts `doctor --format json` and trains in this (main) thread meanwhile."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exporter", "doctor", "--url", url, "--interval", str(INTERVAL),
+         "--format", "json", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, cwd=REPO)
+    train()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode in (0, 1), err
+    report = json.loads(out)
+    assert set(report) == TOP_KEYS
+    for loader in report["loaders"]:
+        assert set(loader) == LOADER_KEYS
+    return proc.returncode, report
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[CollectorRegistry, str]]:
+    reg = CollectorRegistry()
+    handle = instrument.serve(0, addr="127.0.0.1", registry=reg)
+    yield reg, handle.url + "/metrics"
+    handle.shutdown()
+
+
+def train_for(loader: Any, seconds: float, step: float = 0.0) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in loader:
+            if step:
+                time.sleep(step)
+            if time.monotonic() > end:
+                break
+
+
+def only(report: dict[str, Any], name: str) -> dict[str, Any]:
+    [found] = [lo for lo in report["loaders"] if lo["loader"] == name]
+    return found
+
+
+def test_a_starved_loader_is_input_bound_and_gets_workers(
+        served: tuple[CollectorRegistry, str]) -> None:
+    reg, url = served
+    loader = instrument.DataLoader(SleepDataset(64, 0.004), batch_size=2, name="starved",
+                                   registry=reg)
+    code, report = doctor(url, lambda: train_for(loader, INTERVAL + 2.0))
+    d = only(report, "starved")
+    assert code == 1 and not report["healthy"]
+    assert d["verdict"] == "input-bound" and d["figures"]["stall_share"] > 0.9
+    settings = {r["setting"]: r for r in d["recommendations"]}
+    assert int(settings["num_workers"]["value"]) >= 1 and settings["num_workers"]["current"] == "0"
+    assert "waits for data" in settings["num_workers"]["why"]
+
+
+def test_a_healthy_loader_exits_zero(served: tuple[CollectorRegistry, str]) -> None:
+    reg, url = served
+    loader = instrument.DataLoader(SleepDataset(400), batch_size=4, num_workers=2,
+                                   persistent_workers=True, name="healthy", registry=reg)
+    next(iter(loader))  # workers up before the window opens
+    code, report = doctor(url, lambda: train_for(loader, INTERVAL + 2.0, step=0.02))
+    d = only(report, "healthy")
+    assert d["verdict"] == "not input-bound", d
+    assert d["findings"] == [] and d["healthy"] and report["healthy"]
+    assert code == 0
+
+
+def _slow_start(worker_id: int) -> None:
+    time.sleep(0.7)
+
+
+def test_non_persistent_workers_with_a_slow_start_show_an_epoch_start_stall(
+        served: tuple[CollectorRegistry, str]) -> None:
+    reg, url = served
+    loader = instrument.DataLoader(SleepDataset(8), batch_size=2, num_workers=2,
+                                   worker_init_fn=_slow_start, name="stall", registry=reg)
+    code, report = doctor(url, lambda: train_for(loader, INTERVAL + 2.5))
+    d = only(report, "stall")
+    kinds = [f["kind"] for f in d["findings"]]
+    assert "epoch-start-stall" in kinds and code == 1
+    persistent = [r for r in d["recommendations"] if r["setting"] == "persistent_workers"]
+    assert persistent and persistent[0]["value"] == "True"
+
+
+def test_batches_too_big_for_shm_are_a_risk_with_a_shm_size(tmp_path: Path) -> None:
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+            capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount for a Docker-sized /dev/shm")
+    reg = CollectorRegistry()
+    handle = instrument.serve(0, addr="127.0.0.1", registry=reg, shm_path=str(mnt))
+    try:
+        loader = instrument.DataLoader(SleepDataset(32, width=256 * 1024), batch_size=4,
+                                       num_workers=2, persistent_workers=True, name="big",
+                                       registry=reg)
+        code, report = doctor(handle.url + "/metrics", lambda: train_for(loader, INTERVAL + 2))
+    finally:
+        handle.shutdown()
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    d = only(report, "big")
+    assert "shm-risk" in [f["kind"] for f in d["findings"]] and code == 1
+    shm = [r for r in d["recommendations"] if r["setting"] == "--shm-size"]
+    assert shm and shm[0]["value"].endswith("g")
+
+
+def test_a_killed_worker_is_reported_as_lost(served: tuple[CollectorRegistry, str]) -> None:
+    reg, url = served
+    loader = instrument.DataLoader(SleepDataset(200, 0.05), batch_size=1, num_workers=2,
+                                   persistent_workers=True, name="lost", registry=reg)
+    from instrument import compat
+
+    def train() -> None:
+        it = iter(loader)
+        next(it)
+        victim = compat.worker_pids(it)[0]
+        try:
+            os.kill(victim, signal.SIGKILL)
+            for _ in it:
+                pass
+        except RuntimeError:
+            pass
+        time.sleep(INTERVAL + 1)  # the process lives on; the doctor looks meanwhile
+        del it
+
+    code, report = doctor(url, train)
+    d = only(report, "lost")
+    assert "lost-workers" in [f["kind"] for f in d["findings"]] and code == 1
+
+
+def test_unreadable_metrics_exit_two() -> None:
+    result = subprocess.run([sys.executable, "-m", "exporter", "doctor", "--url",
+                             "http://127.0.0.1:9/metrics", "--interval", "0.1"],
+                            capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert result.returncode == 2 and "cannot read the metrics" in result.stderr
+
+
+def test_metrics_without_loaders_exit_two(served: tuple[CollectorRegistry, str]) -> None:
+    _, url = served
+    result = subprocess.run([sys.executable, "-m", "exporter", "doctor", "--url", url,
+                             "--interval", "0.1"], capture_output=True, text=True, timeout=30,
+                            cwd=REPO)
+    assert result.returncode == 2 and "no DataLoader metrics" in result.stderr
+
+
+def test_the_doctor_reads_a_time_range_from_prometheus(
+        served: tuple[CollectorRegistry, str], prometheus: Prometheus) -> None:
+    reg, url = served
+    loader = instrument.DataLoader(SleepDataset(64, 0.004), batch_size=2, name="ranged",
+                                   registry=reg)
+    prometheus.add_target("doctor", url.removeprefix("http://").removesuffix("/metrics"))
+    try:
+        def batches_seen(result: list[dict[str, Any]]) -> bool:
+            return bool(result) and float(result[0]["value"][1]) > 0
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # train until Prometheus has a rate to show
+            train_for(loader, 1.0)
+            res = prometheus.query('increase(dataloader_batches_total{test="doctor"}[1m])')
+            if batches_seen(res):
+                break
+        train_for(loader, 2.0)
+        result = subprocess.run(
+            [sys.executable, "-m", "exporter", "doctor", "--prometheus", prometheus.url,
+             "--range", "60", "--match", 'test="doctor"', "--format", "json"],
+            capture_output=True, text=True, timeout=60, cwd=REPO)
+    finally:
+        prometheus.remove_target("doctor")
+    assert result.returncode == 1, result.stderr
+    d = only(json.loads(result.stdout), "ranged")
+    assert d["verdict"] == "input-bound"
+
+
+def machine(storage: str = "nvme", cores: int = 8) -> Machine:
+    return Machine(cores, None, 64 << 30, 32 << 30, 64 << 20, storage, "/data")
+
+
+def starved_signals(workers: int) -> LoaderSignals:
+    s = LoaderSignals("t", "0", seconds=10, fetch_seconds=8, step_seconds=2, batches=100,
+                      samples=3200, batch_bytes=1 << 20, workers_configured=workers)
+    s.config = {"num_workers": str(workers), "prefetch_factor": "2",
+                "persistent_workers": "true", "pin_memory": "true"}
+    return s
+
+
+@pytest.mark.parametrize(("storage", "cores", "expected"), [
+    ("nvme", 16, 12), ("ssd", 16, 4), ("rotational", 16, 4), ("network", 4, 16),
+    ("nvme", 4, 4), ("unknown", 6, 6)])
+def test_recommended_workers_follow_cores_and_storage(storage: str, cores: int,
+                                                      expected: int) -> None:
+    d = diagnose(starved_signals(1), machine(storage, cores))
+    [rec] = [r for r in d.recommendations if r.setting == "num_workers"]
+    assert int(rec.value) == expected
+
+
+def test_too_many_workers_for_the_cores_per_rank_are_cut_back() -> None:
+    d = diagnose(starved_signals(8), machine("nvme", 8), local_ranks=4)
+    [rec] = [r for r in d.recommendations if r.setting == "num_workers"]
+    assert rec.value == "2" and "fight for CPU" in rec.why
+
+
+def test_quantile_interpolates_like_prometheus() -> None:
+    buckets = [(0.1, 0.0), (0.2, 50.0), (0.4, 100.0), (float("inf"), 100.0)]
+    assert quantile(0.5, buckets) == pytest.approx(0.2)
+    assert quantile(0.75, buckets) == pytest.approx(0.3)
+    assert quantile(0.5, []) is None
+
+
+def test_storage_kind_reads_mounts_and_sysfs(tmp_path: Path) -> None:
+    (tmp_path / "mounts").write_text("server:/export /mnt/data nfs4 rw 0 0\n"
+                                     "/dev/nvme0n1p2 / ext4 rw 0 0\n"
+                                     "/dev/sda1 /sata ext4 rw 0 0\n")
+    for dev, rot in (("sda", "0"),):
+        (tmp_path / "block" / dev / "queue").mkdir(parents=True)
+        (tmp_path / "block" / dev / "queue" / "rotational").write_text(rot + "\n")
+    kind = lambda p: storage_kind(p, str(tmp_path / "mounts"), str(tmp_path / "block"))  # noqa: E731
+    assert kind("/mnt/data/x") == "network"
+    assert kind("/home") == "nvme"
+    assert kind("/sata/img") == "ssd"
