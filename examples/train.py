@@ -2,6 +2,8 @@
 
     python examples/train.py [--epochs 2] [--workers 2] [--metrics-dir DIR] [--port PORT]
 
+The docker-compose trainer runs it with --epochs 0 (until stopped).
+
 The dataset does real CPU work per sample (it renders a noisy image), so the input
 pipeline matters; the model is a small CNN.
 """
@@ -9,6 +11,7 @@ pipeline matters; the model is a small CNN.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import math
 import time
@@ -61,7 +64,7 @@ def summary(registry: object, name: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=2, help="0: train until stopped")
     ap.add_argument("--samples", type=int, default=512)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--metrics-dir", default=None)
@@ -76,7 +79,7 @@ def main() -> None:
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     t0 = time.perf_counter()
-    for epoch in range(args.epochs):
+    for epoch in itertools.count() if args.epochs == 0 else range(args.epochs):
         for x, y in loader:
             x, y = loader.to_device((x, y), "cpu")
             loss = nn.functional.cross_entropy(net(x), y)
