@@ -18,6 +18,14 @@ Tensor = torch.Tensor
 
 def batch_len(batch: Any) -> int:
     """Samples in a batch: the leading dimension of its first tensor (1 if none)."""
+    # Fast path for default_collate's output, a list or tuple whose first item is a batched
+    # tensor: shape[0] costs ~90 ns where the general walk below costs ~350 ns.
+    t = type(batch)
+    if (t is list or t is tuple) and batch:
+        first = batch[0]
+        if type(first) is Tensor:
+            shape = first.shape
+            return int(shape[0]) if shape else 1
     for _ in range(8):
         t = type(batch)
         if t is Tensor:

@@ -6,6 +6,7 @@ must not turn advice into a crash).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -70,7 +71,7 @@ class Preflight:
         self.name = name
         self.shm_path = shm_path
         self._shm_probe = shm_probe
-        self._cores = cores
+        self._cores = functools.cache(cores)  # psutil reads /sys: once per loader is enough
         self._said: set[str] = set()
 
     def _warn(self, key: str, msg: str, *args: object) -> None:
@@ -88,11 +89,15 @@ class Preflight:
                      self.name, cfg.num_workers, cfg.prefetch_factor, cfg.pin_memory,
                      cfg.persistent_workers, cfg.batch_size, self._cores(), self.shm_path,
                      human_bytes(shm.size) if shm else "unknown")
-        if cfg.num_workers == 0:
+        if "no-workers" in self._said and "too-many-workers" in self._said and (
+                "not-persistent" in self._said):
+            return
+        if cfg.num_workers == 0 and "no-workers" not in self._said:
             self._warn("no-workers", "num_workers=0 loads every batch in the training "
                        "process, so the GPU waits while it does; try num_workers=%d",
                        min(self._cores(), 8))
-        elif cfg.num_workers is not None and cfg.num_workers > self._cores():
+        elif (cfg.num_workers and "too-many-workers" not in self._said and
+              cfg.num_workers > self._cores()):
             self._warn("too-many-workers", "num_workers=%d exceeds the %d physical cores; "
                        "workers will fight for CPU with each other and the training loop",
                        cfg.num_workers, self._cores())

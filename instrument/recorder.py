@@ -24,6 +24,10 @@ from exporter.collectors.base import family
 
 from .workers import WorkerTracker
 
+# Durations kept per queue between two reads (snapshot writes or scrapes, normally every
+# second): 131072 batches of a few microseconds each, about 1 MB per queue at most.
+MAX_UNREAD = 1 << 17
+
 
 class Histo:
     """Cumulative histogram in the catalogue's buckets, fed in bulk."""
@@ -69,11 +73,12 @@ class LoaderRecorder:
     def __init__(self, name: str, rank: str) -> None:
         self.name = name
         self.rank = rank
-        # Hot path (main thread appends; readers popleft under self.lock).
-        self.fetch: deque[int] = deque()
-        self.step: deque[int] = deque()
-        self.transfer: deque[int] = deque()
-        self.first: deque[int] = deque()
+        # Hot path (main thread appends; readers popleft under self.lock). Bounded, so a
+        # registry nobody reads keeps only the newest observations instead of growing.
+        self.fetch: deque[int] = deque(maxlen=MAX_UNREAD)
+        self.step: deque[int] = deque(maxlen=MAX_UNREAD)
+        self.transfer: deque[int] = deque(maxlen=MAX_UNREAD)
+        self.first: deque[int] = deque(maxlen=MAX_UNREAD)
         self.batches = 0
         self.samples = 0
         self.epochs = 0

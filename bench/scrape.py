@@ -1,0 +1,204 @@
+"""Scrape latency, RSS, start-up time and CPU of the exporter, as separate processes.
+
+Set-up: 8 ranks x 4 loaders of real snapshot files (one registry per rank, instrument.
+DataLoader, generate_latest; bench/_snapshots.py) and a fake 8-GPU NVML. The real CLI
+can only use the real pynvml, so the full set (trainer, gpu, shm, host) runs through
+bench/_exporter_with_fake_nvml.py, which builds the same registry the CLI builds.
+
+  fake-GPU exporter  start-up (Popen to the first 200 on /metrics); sequential scrapes
+                     on fresh connections after a warm-up: p50/p99/max, exposition size
+                     and series; RSS after the scrapes; CPU (user+system of the process)
+                     over ~10 s of one scrape a second, in percent of one core; and each
+                     collector's time, from the exporter's own collector_duration gauge.
+  real CLI           `python -m exporter serve --no-collector.gpu` over the same files:
+                     start-up (median of 3 starts), some scrapes, RSS after them.
+
+Targets: p99 <= 20 ms, RSS <= 40 MB (10^6 bytes), start-up < 1 s.
+
+    python bench/scrape.py [--quick] [--strict]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _served import REPO, Served, free_port, percentile, rounded, series
+from _snapshots import LOADERS, write_rank_files
+
+RANKS, GPUS, STALE_AFTER = 8, 8, "86400"  # files must stay fresh for the whole run
+P99_MS, RSS_MB, START_S = 20.0, 40.0, 1.0
+_DURATION = re.compile(
+    rb'^dataloader_exporter_collector_duration_seconds\{collector="(\w+)"\} (\S+)$', re.M)
+
+
+@dataclass
+class Plan:
+    warmup: int
+    scrapes: int  # at most this many timed scrapes ...
+    budget_s: float  # ... or as many as fit in this time
+    cpu_seconds: int
+    cli_starts: int
+    cli_scrapes: int
+    cli_budget_s: float
+
+
+PLANS = {False: Plan(20, 1000, 30.0, 10, 3, 200, 8.0), True: Plan(5, 150, 6.0, 3, 1, 30, 2.0)}
+
+
+@dataclass
+class FakeGpuRun:
+    startup_s: float
+    scrapes: int
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    exposition_bytes: int
+    series: int
+    rss_mb: float
+    cpu_percent_1hz: float
+    rss_after_cpu_mb: float
+    collector_p50_ms: dict[str, float]
+
+
+@dataclass
+class CliRun:
+    startup_s: float
+    startup_runs_s: list[float]
+    scrapes: int
+    p50_ms: float
+    p99_ms: float
+    series: int
+    rss_mb: float
+
+
+def latencies(proc: Served, warmup: int, n: int, budget_s: float,
+              durations: dict[str, list[float]] | None = None) -> tuple[list[float], bytes]:
+    """Up to n timed scrapes (ms) within budget_s, after `warmup`; fills durations
+    (collector -> ms) from the exporter's own collector_duration gauge."""
+    body = b""
+    for _ in range(warmup):
+        body = proc.scrape()[1]
+    times: list[float] = []
+    deadline = time.monotonic() + budget_s
+    while len(times) < n and (len(times) < 10 or time.monotonic() < deadline):
+        elapsed, body = proc.scrape()
+        times.append(elapsed * 1000)
+        if durations is not None:
+            for name, value in _DURATION.findall(body):
+                durations.setdefault(name.decode(), []).append(float(value) * 1000)
+    return times, body
+
+
+def cpu_at_one_hz(proc: Served, seconds: int) -> float:
+    """CPU time of the process over `seconds` of one scrape a second, % of one core."""
+    cpu0, t0 = proc.cpu_s(), time.monotonic()
+    for i in range(seconds):
+        time.sleep(max(0.0, t0 + i - time.monotonic()))
+        proc.scrape()
+    time.sleep(max(0.0, t0 + seconds - time.monotonic()))
+    return 100 * (proc.cpu_s() - cpu0) / (time.monotonic() - t0)
+
+
+def fake_gpu_exporter(directory: str, plan: Plan) -> FakeGpuRun:
+    port = free_port()
+    proc = Served([sys.executable, str(REPO / "bench" / "_exporter_with_fake_nvml.py"),
+                   f"--web.listen-address=127.0.0.1:{port}", f"--metrics-dir={directory}",
+                   f"--stale-after={STALE_AFTER}", f"--gpus={GPUS}"], port)
+    try:
+        durations: dict[str, list[float]] = {}
+        times, body = latencies(proc, plan.warmup, plan.scrapes, plan.budget_s, durations)
+        if body.count(b"\ngpu_info{") != GPUS or f'rank="{RANKS - 1}"'.encode() not in body:
+            raise RuntimeError("the exposition lacks some fake GPUs or ranks")
+        rss = proc.rss_mb()
+        cpu = cpu_at_one_hz(proc, plan.cpu_seconds)
+        return FakeGpuRun(proc.start_s, len(times), percentile(times, 50),
+                          percentile(times, 99), max(times), len(body), series(body), rss,
+                          cpu, proc.rss_mb(),
+                          {k: statistics.median(v) for k, v in durations.items()})
+    finally:
+        proc.stop()
+
+
+def real_cli(directory: str, plan: Plan) -> CliRun:
+    starts: list[float] = []
+    times: list[float] = []
+    body, rss = b"", 0.0
+    for i in range(plan.cli_starts):
+        port = free_port()
+        proc = Served([sys.executable, "-m", "exporter", "serve", "--no-collector.gpu",
+                       f"--web.listen-address=127.0.0.1:{port}", f"--metrics-dir={directory}",
+                       f"--stale-after={STALE_AFTER}"], port)
+        try:
+            starts.append(proc.start_s)
+            if i == 0:
+                times, body = latencies(proc, 5, plan.cli_scrapes, plan.cli_budget_s)
+                rss = proc.rss_mb()
+        finally:
+            proc.stop()
+    return CliRun(statistics.median(starts), starts, len(times), percentile(times, 50),
+                  percentile(times, 99), series(body), rss)
+
+
+def report(fake: FakeGpuRun, cli: CliRun, quick: bool) -> bool:
+    fg, rc = "(fake 8 GPUs)", "(real CLI, no gpu)"
+    rows: list[tuple[str, str, str, bool | None]] = [
+        (f"scrape p50 {fg}", f"{fake.p50_ms:.2f} ms ({fake.scrapes} scrapes)", "", None),
+        (f"scrape p99 {fg}", f"{fake.p99_ms:.2f} ms", f"<= {P99_MS:g} ms",
+         fake.p99_ms <= P99_MS),
+        (f"scrape max {fg}", f"{fake.max_ms:.2f} ms", "", None),
+        ("exposition", f"{fake.exposition_bytes} B, {fake.series} series", "", None),
+        (f"RSS after scrapes {fg}", f"{fake.rss_mb:.1f} MB", f"<= {RSS_MB:g} MB",
+         fake.rss_mb <= RSS_MB),
+        (f"start-up {fg}", f"{fake.startup_s:.3f} s", f"< {START_S:g} s",
+         fake.startup_s < START_S),
+        (f"CPU at 1 scrape/s {fg}", f"{fake.cpu_percent_1hz:.2f} % of a core", "", None),
+        (f"scrape p50 {rc}", f"{cli.p50_ms:.2f} ms ({cli.scrapes} scrapes)", "", None),
+        (f"scrape p99 {rc}", f"{cli.p99_ms:.2f} ms", f"<= {P99_MS:g} ms", cli.p99_ms <= P99_MS),
+        (f"RSS after scrapes {rc}", f"{cli.rss_mb:.1f} MB", f"<= {RSS_MB:g} MB",
+         cli.rss_mb <= RSS_MB),
+        (f"start-up {rc}, median", f"{cli.startup_s:.3f} s", f"< {START_S:g} s",
+         cli.startup_s < START_S),
+    ]
+    print(f"{'figure':38} {'value':30} {'target':10} verdict")
+    for name, value, target, ok in rows:
+        verdict = "" if ok is None else ("PASS" if ok else "FAIL")
+        print(f"{name:38} {value:30} {target:10} {verdict}")
+    print("collector time, p50 of the exporter's own gauge: "
+          + ", ".join(f"{k} {v:.2f} ms" for k, v in fake.collector_p50_ms.items()))
+    print("real CLI start-ups: " + ", ".join(f"{s:.3f} s" for s in cli.startup_runs_s))
+    passed = all(ok for *_, ok in rows if ok is not None)
+    print(json.dumps(rounded({"bench": "scrape", "quick": quick, "ranks": RANKS,
+                              "loaders": len(LOADERS), "gpus": GPUS, "pass": passed,
+                              "fake_gpu": asdict(fake), "real_cli": asdict(cli)}),
+                     sort_keys=True), flush=True)
+    return passed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer scrapes and starts")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
+    args = parser.parse_args()
+    plan = PLANS[args.quick]
+    with tempfile.TemporaryDirectory(prefix="scrape-bench-") as directory:
+        files = write_rank_files(Path(directory), RANKS, LOADERS)
+        size = sum(p.stat().st_size for p in files)
+        print(f"{len(files)} snapshot files ({RANKS} ranks x {len(LOADERS)} loaders), "
+              f"{size} B in all; {GPUS} fake GPUs", flush=True)
+        fake = fake_gpu_exporter(directory, plan)
+        cli = real_cli(directory, plan)
+    ok = report(fake, cli, args.quick)
+    return 1 if args.strict and not ok else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
