@@ -25,7 +25,7 @@ prometheus:
 	fi
 
 demo: $(STAMP)
-	$(PY) examples/train.py
+	$(VENV)/bin/dataloader-exporter demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(CODE) tests bench examples
@@ -43,3 +43,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+
+# Regenerate the committed Grafana dashboards, provisioning and Prometheus rules.
+.PHONY: dashboards
+dashboards: $(STAMP)
+	$(PY) -m exporter dashboards --out deploy

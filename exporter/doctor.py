@@ -111,7 +111,7 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1) -> Diagno
             f"lost workers: {s.workers_lost:.0f} died; {s.workers_active or 0:.0f} of "
             f"{s.workers_configured or 0:.0f} alive (out of memory? check dmesg for the OOM "
             "killer and /dev/shm)")))
-    rec_workers = _recommend_workers(workers, starved, machine, local_ranks)
+    rec_workers = _recommend_workers(workers, starved, machine, local_ranks, cuda)
     in_flight = 0.0
     if s.batch_bytes:
         in_flight = s.batch_bytes * prefetch * max(workers, rec_workers) * local_ranks * SHM_SAFETY
@@ -135,12 +135,13 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1) -> Diagno
 
     # --- recommendations -------------------------------------------------------------
     rec = d.recommendations
-    cores = max(1, machine.usable_cores // max(1, local_ranks))
+    cores = _worker_cores(machine, local_ranks, cuda)
     if rec_workers != workers:
+        spare = "" if cuda else ", keeping a core for the training loop, which runs on the CPU"
         why = (f"the loop waits for data {_pct(stall)} of the time and {cores} cores per "
-               f"local rank can run loading in parallel (storage: {machine.storage})"
+               f"local rank can load in parallel (storage: {machine.storage}{spare})"
                if rec_workers > workers else
-               f"more workers than the {cores} cores per local rank only fight for CPU")
+               f"more workers than the {cores} cores per local rank{spare} only fight for CPU")
         rec.append(Recommendation("num_workers", str(rec_workers), str(workers), why))
     eff_workers = max(workers, rec_workers)
     busy = s.worker_busy_share
@@ -175,8 +176,15 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1) -> Diagno
     return d
 
 
-def _recommend_workers(workers: int, starved: bool, machine: Machine, local_ranks: int) -> int:
+def _worker_cores(machine: Machine, local_ranks: int, cuda: bool) -> int:
+    """Cores a rank's workers can use; without a GPU the loop itself needs one of them."""
     cores = max(1, machine.usable_cores // max(1, local_ranks))
+    return cores if cuda else max(1, cores - 1)
+
+
+def _recommend_workers(workers: int, starved: bool, machine: Machine, local_ranks: int,
+                       cuda: bool) -> int:
+    cores = _worker_cores(machine, local_ranks, cuda)
     if machine.storage == "network":
         cap = STORAGE_WORKERS["network"]  # I/O-bound workers mostly wait: cores matter less
     else:

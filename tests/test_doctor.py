@@ -205,7 +205,8 @@ def machine(storage: str = "nvme", cores: int = 8) -> Machine:
 
 def starved_signals(workers: int) -> LoaderSignals:
     s = LoaderSignals("t", "0", seconds=10, fetch_seconds=8, step_seconds=2, batches=100,
-                      samples=3200, batch_bytes=1 << 20, workers_configured=workers)
+                      samples=3200, batch_bytes=1 << 20, workers_configured=workers,
+                      gpu_utilization=0.4)
     s.config = {"num_workers": str(workers), "prefetch_factor": "2",
                 "persistent_workers": "true", "pin_memory": "true"}
     return s
@@ -219,6 +220,14 @@ def test_recommended_workers_follow_cores_and_storage(storage: str, cores: int,
     d = diagnose(starved_signals(1), machine(storage, cores))
     [rec] = [r for r in d.recommendations if r.setting == "num_workers"]
     assert int(rec.value) == expected
+
+
+def test_without_a_gpu_one_core_stays_with_the_training_loop() -> None:
+    s = starved_signals(0)
+    s.gpu_utilization = None
+    d = diagnose(s, machine("nvme", 8))
+    [rec] = [r for r in d.recommendations if r.setting == "num_workers"]
+    assert rec.value == "7" and "a core for the training loop" in rec.why
 
 
 def test_too_many_workers_for_the_cores_per_rank_are_cut_back() -> None:
