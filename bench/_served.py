@@ -18,6 +18,11 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 
 
+# What Prometheus 2.x sends: it prefers OpenMetrics, so that is the format to time.
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                     "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -28,7 +33,7 @@ def get(port: int, path: str = "/metrics", timeout: float = 10.0) -> tuple[int, 
     """One GET on a fresh connection (no keep-alive): (status, body)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request("GET", path, headers={"Connection": "close"})
+        conn.request("GET", path, headers={"Connection": "close", "Accept": PROMETHEUS_ACCEPT})
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:

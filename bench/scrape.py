@@ -13,6 +13,9 @@ bench/_exporter_with_fake_nvml.py, which builds the same registry the CLI builds
   real CLI           `python -m exporter serve --no-collector.gpu` over the same files:
                      start-up (median of 3 starts), some scrapes, RSS after them.
 
+Scrapes ask for OpenMetrics, as Prometheus does. While it runs, the snapshot files are
+touched every second, as live trainers rewrite them, so the exporter re-reads them.
+
 Targets: p99 <= 20 ms, RSS <= 40 MB (10^6 bytes), start-up < 1 s.
 
     python bench/scrape.py [--quick] [--strict]
@@ -22,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -183,6 +188,13 @@ def report(fake: FakeGpuRun, cli: CliRun, quick: bool) -> bool:
     return passed
 
 
+def _rewrite_every_second(files: list[Path], stop: threading.Event) -> None:
+    """Like live trainers: each file gets a new mtime (and so a re-read) every second."""
+    while not stop.wait(1.0):
+        for path in files:
+            os.utime(path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer scrapes and starts")
@@ -194,8 +206,15 @@ def main() -> int:
         size = sum(p.stat().st_size for p in files)
         print(f"{len(files)} snapshot files ({RANKS} ranks x {len(LOADERS)} loaders), "
               f"{size} B in all; {GPUS} fake GPUs", flush=True)
-        fake = fake_gpu_exporter(directory, plan)
-        cli = real_cli(directory, plan)
+        stop = threading.Event()
+        toucher = threading.Thread(target=_rewrite_every_second, args=(files, stop))
+        toucher.start()
+        try:
+            fake = fake_gpu_exporter(directory, plan)
+            cli = real_cli(directory, plan)
+        finally:
+            stop.set()
+            toucher.join()
     ok = report(fake, cli, args.quick)
     return 1 if args.strict and not ok else 0
 

@@ -1,12 +1,13 @@
 """Serving a registry over HTTP: /metrics, / and /-/healthy; anything else is 404.
 
 A factory returns a handle you can shut down, so tests and the CLI own the server's
-lifetime. /metrics is prometheus_client's WSGI app (text format, or OpenMetrics when
-the Accept header asks for it).
+lifetime. /metrics is the text format, or OpenMetrics when the Accept header asks for
+it (Prometheus does), written by exporter.exposition's fast encoders; gzip when asked.
 """
 
 from __future__ import annotations
 
+import gzip
 import socket
 import threading
 from collections.abc import Callable, Iterable
@@ -14,9 +15,9 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
 
-from exporter import __version__
+from exporter import __version__, exposition
 
 _INDEX = """<!doctype html>
 <html><head><title>dataloader-exporter</title></head>
@@ -46,8 +47,20 @@ class _QuietHandler(WSGIRequestHandler):
 def make_app(registry: CollectorRegistry) -> Callable[[dict[str, Any], StartResponse],
                                                         Iterable[bytes]]:
     """The WSGI app: routes the three endpoints, 404 for the rest."""
-    metrics = make_wsgi_app(registry)
     index = _INDEX.format(version=__version__).encode()
+
+    def metrics(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        if "application/openmetrics-text" in environ.get("HTTP_ACCEPT", ""):
+            body, ctype = exposition.openmetrics(registry.collect()), (
+                exposition.OPENMETRICS_CONTENT_TYPE)
+        else:
+            body, ctype = exposition.text(registry.collect()), exposition.TEXT_CONTENT_TYPE
+        headers = [("Content-Type", ctype)]
+        if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
+            body = gzip.compress(body, compresslevel=1)  # level 9 costs ~10x the time
+            headers.append(("Content-Encoding", "gzip"))
+        start_response("200 OK", headers)
+        return [body]
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")

@@ -1,0 +1,116 @@
+"""Fast encoders for the Prometheus text format (0.0.4) and OpenMetrics 1.0.
+
+prometheus_client's encoders validate and escape every label name of every sample:
+12 ms (text) and 23 ms (OpenMetrics, which Prometheus asks for) for the 3,231 series of
+8 ranks x 4 loaders, most of a scrape (bench/scrape.py). These produce the same output
+(tests compare both against prometheus_client's) for the families this exporter yields:
+legacy metric and label names, label values escaped only when they need it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client.metrics_core import Metric as Family
+
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+_NEEDS_ESCAPE = re.compile(r'[\\"\n]')
+_OM_ONLY = ("_created", "_gsum", "_gcount")
+
+
+def _escape_value(v: str) -> str:
+    if _NEEDS_ESCAPE.search(v) is None:
+        return v
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _float(d: float) -> str:
+    """Go's float formatting, as prometheus_client's floatToGoString writes it."""
+    if d == math.inf:
+        return "+Inf"
+    if d == -math.inf:
+        return "-Inf"
+    if d != d:
+        return "NaN"
+    s = repr(float(d))
+    dot = s.find(".")
+    if d > 0 and dot > 6:
+        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.")
+        return f"{mantissa}e+{dot - 1:02d}"
+    return s
+
+
+def _labels(labels: dict[str, str], cache: dict[tuple[tuple[str, str], ...], str]) -> str:
+    if not labels:
+        return ""
+    key = tuple(sorted(labels.items()))
+    text = cache.get(key)
+    if text is None:
+        text = cache[key] = "{" + ",".join(f'{k}="{_escape_value(v)}"' for k, v in key) + "}"
+    return text
+
+
+def text(families: Iterable[Family]) -> bytes:
+    """The Prometheus text format, as prometheus_client.generate_latest writes it."""
+    out: list[str] = []
+    cache: dict[tuple[tuple[str, str], ...], str] = {}
+    for metric in families:
+        name, mtype = metric.name, metric.type
+        if mtype == "counter":
+            name += "_total"
+        elif mtype == "info":
+            name += "_info"
+            mtype = "gauge"
+        elif mtype == "stateset":
+            mtype = "gauge"
+        elif mtype == "gaugehistogram":
+            mtype = "histogram"
+        elif mtype == "unknown":
+            mtype = "untyped"
+        doc = metric.documentation.replace("\\", "\\\\").replace("\n", "\\n")
+        out.append(f"# HELP {name} {doc}\n# TYPE {name} {mtype}\n")
+        extra: dict[str, list[str]] = {}
+        for s in metric.samples:
+            line = _sample(s.name, s.labels, s.value, s.timestamp, cache, 1000)
+            suffix = s.name[len(metric.name):] if s.name.startswith(metric.name) else ""
+            if suffix in _OM_ONLY:
+                extra.setdefault(suffix, []).append(line)
+            else:
+                out.append(line)
+        for suffix, lines in sorted(extra.items()):
+            out.append(f"# HELP {metric.name}{suffix} {doc}\n"
+                       f"# TYPE {metric.name}{suffix} gauge\n")
+            out.extend(lines)
+    return "".join(out).encode("utf-8")
+
+
+def _sample(name: str, labels: dict[str, str], value: float, timestamp: Any,
+            cache: dict[tuple[tuple[str, str], ...], str], ts_scale: int) -> str:
+    ts = ""
+    if timestamp is not None:
+        ts = (f" {int(float(timestamp) * 1000):d}" if ts_scale == 1000
+              else f" {_float(float(timestamp))}")
+    return f"{name}{_labels(labels, cache)} {_float(value)}{ts}\n"
+
+
+def openmetrics(families: Iterable[Family]) -> bytes:
+    """OpenMetrics 1.0, as prometheus_client.openmetrics.exposition writes it (no exemplars)."""
+    out: list[str] = []
+    cache: dict[tuple[tuple[str, str], ...], str] = {}
+    for metric in families:
+        mname = metric.name
+        doc = metric.documentation.replace("\\", "\\\\").replace("\n", "\\n").replace(
+            '"', '\\"')
+        out.append(f"# HELP {mname} {doc}\n# TYPE {mname} {metric.type}\n")
+        if metric.unit:
+            out.append(f"# UNIT {mname} {metric.unit}\n")
+        for s in metric.samples:
+            if s.exemplar is not None or getattr(s, "native_histogram", None) is not None:
+                raise ValueError("exemplars and native histograms are not supported here")
+            out.append(_sample(s.name, s.labels, s.value, s.timestamp, cache, 1))
+    out.append("# EOF\n")
+    return "".join(out).encode("utf-8")
