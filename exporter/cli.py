@@ -31,6 +31,11 @@ def _parser() -> argparse.ArgumentParser:
     doctor_cli.add_parser(sub)
     top.add_parser(sub)
     _add_demo(sub)
+    dash_p = sub.add_parser("dashboards", help="write Grafana dashboards, alerts and rules",
+                            description="Write the Grafana dashboards and provisioning files "
+                                        "and the Prometheus alert rules into a directory.")
+    dash_p.add_argument("--out", default="deploy", metavar="DIR",
+                        help="output directory (default: %(default)s)")
     return parser
 
 
@@ -65,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return demo.run(args)
     if args.command == "top":
         return top.run(args)
+    if args.command == "dashboards":
+        return run_dashboards(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
@@ -109,6 +116,19 @@ def run_serve(args: argparse.Namespace, unknown: Sequence[str]) -> int:
     log.info("shutting down")
     handle.shutdown()
     supervisor.close()
+    return 0
+
+
+def run_dashboards(args: argparse.Namespace) -> int:
+    """Writes the generated dashboards, provisioning and rules; grafanalib loads only here."""
+    try:
+        from dashboards.build import write
+    except ImportError as e:
+        print(f"dataloader-exporter: error: {e}; install the dashboards extra "
+              "(pip install 'dataloader-exporter[dashboards]')", file=sys.stderr)
+        return 2
+    for path in write(args.out):
+        print(path)
     return 0
 
 

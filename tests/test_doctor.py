@@ -85,7 +85,9 @@ def test_a_healthy_loader_exits_zero(served: tuple[CollectorRegistry, str]) -> N
     loader = instrument.DataLoader(SleepDataset(400), batch_size=4, num_workers=2,
                                    persistent_workers=True, name="healthy", registry=reg)
     next(iter(loader))  # workers up before the window opens
-    code, report = doctor(url, lambda: train_for(loader, INTERVAL + 2.0, step=0.02))
+    # A 50 ms step: a prefetched batch's hand-over (well under 2.5 ms even on a busy
+    # 2-core machine) stays under the 5% band.
+    code, report = doctor(url, lambda: train_for(loader, INTERVAL + 2.0, step=0.05))
     d = only(report, "healthy")
     assert d["verdict"] == "not input-bound", d
     assert d["findings"] == [] and d["healthy"] and report["healthy"]

@@ -1,0 +1,138 @@
+"""promtool unit tests for every alert, as data: a case where it fires, one where it
+stays quiet, and more where an alert has more than one way to fire or a near miss worth
+pinning down. dashboards.alerting renders them into a `promtool test rules` file.
+
+Series use promtool's notation at a 1-minute interval ('0+30x30': 0, 30, 60, ... for
+31 minutes; '2x5 1x10': six 2s, then eleven 1s).
+"""
+
+from __future__ import annotations
+
+from exporter import catalogue as cat
+
+from .model import EXPORTER_JOB, Case
+from .promql import sel
+
+HOST = {"job": EXPORTER_JOB, "instance": "trainer-0:9478"}
+LOADER = {**HOST, "loader": "train", "rank": "0"}
+SHM = {**HOST, "path": "/dev/shm"}
+GPU0 = {**HOST, "gpu": "0", "gpu_uuid": "GPU-0"}
+FETCH = {**LOADER, "phase": cat.PHASE_FETCH}
+
+
+def s(metric: cat.Metric, values: str, suffix: str = "", **labels: str) -> tuple[str, str]:
+    """One input series: its selector with labels, and its values."""
+    return sel(metric, "", suffix, **labels), values
+
+
+def fires(*label_sets: dict[str, str]) -> tuple[tuple[tuple[str, str], ...], ...]:
+    return tuple(tuple(sorted(ls.items())) for ls in label_sets)
+
+
+def stall(fetch_per_minute: int) -> tuple[tuple[str, str], ...]:
+    """Fetch wait against 30 s of step time a minute."""
+    return (s(cat.TIME, f"0+{fetch_per_minute}x30", "_sum", **FETCH),
+            s(cat.STEP, "0+30x30", "_sum", **LOADER))
+
+
+def first_batch(seconds: float, median_5ms: bool = False) -> tuple[tuple[str, str], ...]:
+    """One epoch starting at minute 10 whose first batch takes `seconds`."""
+    out: tuple[tuple[str, str], ...] = (
+        s(cat.FIRST_BATCH, f"0x10 {seconds}x20", "_sum", **LOADER),
+        s(cat.FIRST_BATCH, "0x10 1x20", "_count", **LOADER))
+    if median_5ms:  # 100 batches a minute, all under 10 ms: median wait 5 ms
+        out += (s(cat.TIME, "0+100x30", "_bucket", **FETCH, le="0.01"),
+                s(cat.TIME, "0+100x30", "_bucket", **FETCH, le="+Inf"))
+    return out
+
+
+def shm(used: int) -> tuple[tuple[str, str], ...]:
+    return s(cat.SHM_USED, f"{used}x10", **SHM), s(cat.SHM_SIZE, "1000x10", **SHM)
+
+
+def workers(active: str, lost: str = "0x15", last_batch: str = "0+60x15"
+            ) -> tuple[tuple[str, str], ...]:
+    return (s(cat.WORKERS_CONFIGURED, "2x15", **LOADER), s(cat.WORKERS_ACTIVE, active, **LOADER),
+            s(cat.WORKERS_LOST, lost, **LOADER), s(cat.LAST_BATCH, last_batch, **LOADER))
+
+
+def snapshot_files(fresh: int, stale: int) -> tuple[tuple[str, str], ...]:
+    return (s(cat.SNAPSHOT_FILES, f"{fresh}x10", **HOST, state="fresh"),
+            s(cat.SNAPSHOT_FILES, f"{stale}x10", **HOST, state="stale"))
+
+
+def memory(available: int, swap: str) -> tuple[tuple[str, str], ...]:
+    return (s(cat.HOST_MEMORY_TOTAL, "1000x15", **HOST),
+            s(cat.HOST_MEMORY_AVAILABLE, f"{available}x15", **HOST),
+            s(cat.HOST_SWAP_USED, swap, **HOST))
+
+
+IDLE_GPU = (s(cat.GPU_UTILIZATION, "0.3x30", **GPU0),)
+BUSY_GPU = (s(cat.GPU_UTILIZATION, "0.9x30", **GPU0),)
+
+CASES: tuple[Case, ...] = (
+    Case("DataLoaderInputBound", "fires when the loop waits half the time and the GPU idles",
+         stall(30) + IDLE_GPU, "15m", fires(LOADER)),
+    Case("DataLoaderInputBound", "fires on stall share alone where there are no GPU metrics",
+         stall(30), "15m", fires(LOADER)),
+    Case("DataLoaderInputBound", "stays quiet while the GPU is busy anyway",
+         stall(30) + BUSY_GPU, "15m"),
+    Case("DataLoaderInputBound", "stays quiet at a 9% stall share", stall(3) + IDLE_GPU, "15m"),
+
+    Case("DataLoaderEpochStartStall", "fires when an epoch's first batch takes 30 s",
+         first_batch(30), "15m", fires(LOADER)),
+    Case("DataLoaderEpochStartStall", "fires at 3 s against a 5 ms median batch wait",
+         first_batch(3, median_5ms=True), "15m", fires(LOADER)),
+    Case("DataLoaderEpochStartStall", "stays quiet under a second even at 100x the median",
+         first_batch(0.5, median_5ms=True), "15m"),
+
+    Case("DataLoaderShmNearlyFull", "fires at 95% for 5 minutes", shm(950), "5m", fires(SHM)),
+    Case("DataLoaderShmNearlyFull", "stays quiet at 50%", shm(500), "5m"),
+    Case("DataLoaderShmFull", "fires at 99% for 5 minutes", shm(990), "5m", fires(SHM)),
+    Case("DataLoaderShmFull", "stays quiet at 95%", shm(950), "5m"),
+
+    Case("DataLoaderWorkerLost", "fires when one of two workers is gone mid-epoch",
+         workers(active="2x5 1x10"), "10m", fires(LOADER)),
+    Case("DataLoaderWorkerLost", "fires when a worker was counted lost",
+         workers(active="2x15", lost="0x5 1x10"), "8m", fires(LOADER)),
+    Case("DataLoaderWorkerLost", "stays quiet between epochs without persistent workers",
+         workers(active="0x15", last_batch="60x15"), "10m"),
+
+    Case("DataLoaderStalled", "fires after 9 minutes without a batch from a live trainer",
+         (s(cat.LAST_BATCH, "60x15", **LOADER), s(cat.SNAPSHOT_AGE, "1x15", **HOST)), "10m",
+         fires({**HOST, "rank": "0"})),
+    Case("DataLoaderStalled", "stays quiet while another loader of the rank hands out batches",
+         (s(cat.LAST_BATCH, "60x15", **LOADER),
+          s(cat.LAST_BATCH, "0+60x15", **{**LOADER, "loader": "val"}),
+          s(cat.SNAPSHOT_AGE, "1x15", **HOST)), "10m"),
+    Case("DataLoaderStalled", "stays quiet when the trainer is gone (stale snapshots)",
+         (s(cat.LAST_BATCH, "60x15", **LOADER), s(cat.SNAPSHOT_AGE, "0+60x15", **HOST)), "10m"),
+
+    Case("DataLoaderExporterDown", "fires when the scrape fails for 5 minutes",
+         ((f'up{{instance="{HOST["instance"]}",job="{EXPORTER_JOB}"}}', "0x10"),), "5m",
+         fires(HOST)),
+    Case("DataLoaderExporterDown", "stays quiet while scrapes succeed",
+         ((f'up{{instance="{HOST["instance"]}",job="{EXPORTER_JOB}"}}', "1x10"),), "5m"),
+
+    Case("DataLoaderSnapshotsStale", "fires when only stale snapshot files remain",
+         snapshot_files(fresh=0, stale=1), "5m", fires(HOST)),
+    Case("DataLoaderSnapshotsStale", "fires when the newest snapshot is no longer rewritten",
+         (*snapshot_files(fresh=1, stale=0), s(cat.SNAPSHOT_AGE, "0+60x10", **HOST)), "5m",
+         fires(HOST)),
+    Case("DataLoaderSnapshotsStale", "stays quiet with an old run's file next to a live one",
+         (*snapshot_files(fresh=1, stale=1), s(cat.SNAPSHOT_AGE, "1x10", **HOST)), "5m"),
+
+    Case("DataLoaderGpuCollectorDown", "fires when NVML cannot be read for 10 minutes",
+         (s(cat.COLLECTOR_UP, "0x10", **HOST, collector=cat.GPU),), "10m",
+         fires({**HOST, "collector": cat.GPU})),
+    Case("DataLoaderGpuCollectorDown", "stays quiet when only another collector is down",
+         (s(cat.COLLECTOR_UP, "1x10", **HOST, collector=cat.GPU),
+          s(cat.COLLECTOR_UP, "0x10", **HOST, collector=cat.SHM)), "10m"),
+
+    Case("DataLoaderHostMemoryPressure", "fires with 5% of memory available",
+         memory(50, "0x15"), "10m", fires(HOST)),
+    Case("DataLoaderHostMemoryPressure", "fires when swap is in use and growing",
+         memory(500, "0+1000x15"), "10m", fires(HOST)),
+    Case("DataLoaderHostMemoryPressure", "stays quiet when swap is in use but flat",
+         memory(500, "1000x15"), "10m"),
+)

@@ -1,0 +1,141 @@
+"""The alerts, each defined once: the three classic input-pipeline failures (data
+starvation, epoch-start stalls, /dev/shm overflow), crashes and hangs, and the health of
+the exporter itself. dashboards.alerting renders them for Grafana and for Prometheus.
+
+Every expression returns only positive values when it fires (see model.Alert), and no
+dashboard variables: alerts see every job.
+"""
+
+from __future__ import annotations
+
+from exporter import catalogue as cat
+
+from .model import CRITICAL, EXPORTER_JOB, WARNING, Alert
+from .promql import quantile, ratio, sel, stall_share
+
+WINDOW = "5m"
+# Epoch starts are rare events: average the first batches of the last hour.
+EPOCH_WINDOW = "1h"
+# The trainer rewrites its snapshot every second; older than this, it is not writing.
+FRESH_SNAPSHOT = 60
+LOADER = "{{ $labels.loader }} rank {{ $labels.rank }} on {{ $labels.instance }}"
+
+_first_batch = (f"rate({sel(cat.FIRST_BATCH, suffix='_sum')}[{EPOCH_WINDOW}]) / "
+                f"rate({sel(cat.FIRST_BATCH, suffix='_count')}[{EPOCH_WINDOW}])")
+_median_wait = quantile(0.5, cat.TIME, "", EPOCH_WINDOW, phase=cat.PHASE_FETCH)
+
+ALERTS: tuple[Alert, ...] = (
+    Alert(
+        "DataLoaderInputBound",
+        f"({stall_share('', WINDOW)} > 0.2) unless on (job, instance) "
+        f"(avg by (job, instance) ({sel(cat.GPU_UTILIZATION)}) >= 0.6)",
+        "10m", WARNING,
+        f"Input-bound: {LOADER} waits for data over 20% of the time",
+        "The training loop spent over 20% of its time waiting for batches for 10 minutes"
+        " (and, where GPU metrics exist, the instance's GPUs were under 60% busy): the GPU"
+        " is starving. Fix: raise num_workers (up to the physical cores), set"
+        " pin_memory=True and persistent_workers=True, raise prefetch_factor, and make"
+        " __getitem__ cheaper (decode or augment less, cache decoded samples, move"
+        " augmentation to the GPU).",
+    ),
+    Alert(
+        "DataLoaderEpochStartStall",
+        f"({_first_batch} > 10) or "
+        f"(({_first_batch} > ignoring (phase) (10 * {_median_wait})) and ({_first_batch} > 1))",
+        "1m", WARNING,
+        f"Epoch-start stall: {LOADER} waits long for each epoch's first batch",
+        "The first batch of recent epochs took over 10 s, or over 10x the median batch wait"
+        " (and over 1 s): workers are started from scratch at every epoch and the GPU idles"
+        " meanwhile. Fix: persistent_workers=True, so workers survive between epochs; keep"
+        " the dataset's __init__ and worker_init_fn light (open files lazily).",
+    ),
+    Alert(
+        "DataLoaderShmNearlyFull",
+        f"{ratio(cat.SHM_USED, cat.SHM_SIZE)} > 0.9",
+        "2m", WARNING,
+        "/dev/shm over 90% full on {{ $labels.instance }}",
+        "The shared-memory filesystem DataLoader workers pass batches through is over 90%"
+        " full; when a batch no longer fits, workers die with 'Bus error'. Fix: give the"
+        " container a larger --shm-size (Kubernetes: a memory-backed emptyDir mounted on"
+        " /dev/shm), or lower num_workers, prefetch_factor or the batch size.",
+    ),
+    Alert(
+        "DataLoaderShmFull",
+        f"{ratio(cat.SHM_USED, cat.SHM_SIZE)} > 0.98",
+        "2m", CRITICAL,
+        "/dev/shm over 98% full on {{ $labels.instance }}: workers are about to crash",
+        "The shared-memory filesystem is over 98% full: the next batch may not fit and"
+        " DataLoader workers will die with 'Bus error'. Fix now: a larger --shm-size, or"
+        " fewer num_workers, a lower prefetch_factor or smaller batches.",
+    ),
+    Alert(
+        "DataLoaderWorkerLost",
+        f"(({sel(cat.WORKERS_CONFIGURED)} - {sel(cat.WORKERS_ACTIVE)} > 0) and "
+        f"(time() - {sel(cat.LAST_BATCH)} < 30)) or "
+        f"(increase({sel(cat.WORKERS_LOST)}[10m]) > 0)",
+        "1m", CRITICAL,
+        f"DataLoader worker lost: {LOADER}",
+        "Fewer worker processes are alive than configured while the loader is handing out"
+        " batches, or a worker died in the last 10 minutes. Workers are usually killed by"
+        " the OOM killer (check dmesg and the container's memory limit) or by a full"
+        " /dev/shm. Fix: fewer num_workers or a lower prefetch_factor, more memory or"
+        " --shm-size, and datasets that share memory across workers (numpy arrays rather"
+        " than Python lists of objects).",
+    ),
+    Alert(
+        "DataLoaderStalled",
+        f"(time() - max by (job, instance, rank) ({sel(cat.LAST_BATCH)}) > 300) and on "
+        f"(job, instance) ({sel(cat.SNAPSHOT_AGE)} < {FRESH_SNAPSHOT})",
+        "1m", CRITICAL,
+        "No batch for 5 minutes from rank {{ $labels.rank }} on {{ $labels.instance }}",
+        "No loader of this trainer handed out a batch for 5 minutes, yet the trainer is"
+        " alive (its snapshots are fresh): the loop hangs. Usual causes: a deadlocked"
+        " worker (fork after threads or CUDA; use multiprocessing_context='spawn' or"
+        " 'forkserver'), a stuck read from network storage, a collective waiting for another"
+        " rank. Fix: py-spy dump the trainer and its workers; set DataLoader timeout= so"
+        " hangs raise.",
+    ),
+    Alert(
+        "DataLoaderExporterDown",
+        f'1 - up{{job="{EXPORTER_JOB}"}} > 0',
+        "2m", WARNING,
+        "dataloader-exporter on {{ $labels.instance }} cannot be scraped",
+        "Prometheus could not scrape the dataloader-exporter for 2 minutes: no DataLoader,"
+        " GPU or /dev/shm metrics, and no other alert, from this host. Fix: check that the"
+        " sidecar runs and listens (default port 9478) and that its address in the scrape"
+        " config is right.",
+    ),
+    Alert(
+        "DataLoaderSnapshotsStale",
+        f'(max without (state) ({sel(cat.SNAPSHOT_FILES, state="stale")} > 0) unless on '
+        f'(job, instance) ({sel(cat.SNAPSHOT_FILES, state="fresh")} > 0)) or '
+        f"({sel(cat.SNAPSHOT_AGE)} > {FRESH_SNAPSHOT})",
+        "2m", WARNING,
+        "Trainer snapshots on {{ $labels.instance }} are stale",
+        "The exporter finds only stale trainer snapshot files (or the newest is over a"
+        " minute old): the trainer exited, crashed or hangs, and its metrics are no longer"
+        " served. Fix: check the trainer; if it runs, check it still writes to the shared"
+        " metrics directory (look for 'cannot write metrics snapshot' in its log).",
+    ),
+    Alert(
+        "DataLoaderGpuCollectorDown",
+        f'1 - {sel(cat.COLLECTOR_UP, collector=cat.GPU)} > 0',
+        "5m", WARNING,
+        "GPU metrics unavailable on {{ $labels.instance }}",
+        "The exporter cannot read NVML, so GPU utilization, memory and PCIe are missing and"
+        " the input-bound alert cannot check the GPU. Fix: run the sidecar with the NVIDIA"
+        " container runtime (--gpus all, or the nvidia.com/gpu resource), or turn the"
+        " collector off with --no-collector.gpu on hosts without GPUs.",
+    ),
+    Alert(
+        "DataLoaderHostMemoryPressure",
+        f"(1 - {ratio(cat.HOST_MEMORY_AVAILABLE, cat.HOST_MEMORY_TOTAL)} > 0.9) or "
+        f"(({sel(cat.HOST_SWAP_USED)} > 0) and (deriv({sel(cat.HOST_SWAP_USED)}[10m]) > 0))",
+        "5m", WARNING,
+        "Memory pressure on {{ $labels.instance }}",
+        "Under 10% of host memory is available, or swap is in use and growing: workers slow"
+        " down and the OOM killer is next. Fix: fewer num_workers or a lower"
+        " prefetch_factor; keep datasets in numpy arrays or tensors (Python objects get"
+        " copied into every worker on access); free page cache hogs on the host.",
+    ),
+)

@@ -1,0 +1,74 @@
+"""PromQL built from the metric catalogue, shared by the dashboards and the alerts.
+
+One function builds, say, the input stall share both for a panel (with the dashboard's
+variables and ``$__rate_interval``) and for an alert (no variables, a fixed window), so
+the two cannot drift apart. No metric name is typed here: they come from the catalogue.
+"""
+
+from __future__ import annotations
+
+from exporter import catalogue as cat
+
+RATE_INTERVAL = "$__rate_interval"
+# Matchers from the dashboard variables. Multi-select values (and All, which is ".*")
+# arrive as regular expressions, hence =~.
+HOST = 'job=~"$job",instance=~"$instance"'
+LOADER = HOST + ',loader=~"$loader",rank=~"$rank"'
+GPUS = HOST + ',gpu=~"$gpu"'
+
+# Legends, in Grafana's {{label}} syntax.
+BY_RANK = "{{loader}} rank {{rank}}"
+BY_GPU = "{{instance}} GPU {{gpu}}"
+
+
+def sel(metric: cat.Metric, matchers: str = "", suffix: str = "", **labels: str) -> str:
+    """A series selector: the catalogue name (plus _sum/_count/_bucket) and matchers."""
+    parts = [matchers] if matchers else []
+    parts += [f'{k}="{v}"' for k, v in sorted(labels.items())]
+    name = metric.name + suffix
+    return f"{name}{{{','.join(parts)}}}" if parts else name
+
+
+def rate(selector: str, window: str) -> str:
+    return f"rate({selector}[{window}])"
+
+
+def _agg(by: str | None) -> str:
+    """None: keep every series (drop only `phase`); "": one total; else sum by (labels)."""
+    if by is None:
+        return "sum without (phase)"
+    return f"sum by ({by})" if by else "sum"
+
+
+def fetch_wait_rate(matchers: str, window: str, by: str | None = None) -> str:
+    """Seconds per second the training loop spent blocked waiting for batches."""
+    fetch = rate(sel(cat.TIME, matchers, "_sum", phase=cat.PHASE_FETCH), window)
+    return f"{_agg(by)} ({fetch})"
+
+
+def stall_share(matchers: str, window: str, by: str | None = None) -> str:
+    """Input stall share: fetch wait / (fetch wait + step time), 0 to 1.
+
+    The share of the loop's wall time spent waiting for input; TensorFlow's profiler
+    calls a step input-bound above 20% and highly input-bound above 50%.
+    """
+    fetch = fetch_wait_rate(matchers, window, by)
+    step = f"{_agg(by)} ({rate(sel(cat.STEP, matchers, '_sum'), window)})"
+    return f"{fetch} / ({fetch} + {step})"
+
+
+def quantile(q: float, metric: cat.Metric, matchers: str, window: str, **labels: str) -> str:
+    """The q-quantile of a histogram per series, from its buckets' rates."""
+    return f"histogram_quantile({q}, {rate(sel(metric, matchers, '_bucket', **labels), window)})"
+
+
+def mean(metric: cat.Metric, matchers: str, window: str, **labels: str) -> str:
+    """The mean observation of a histogram over the window, per series."""
+    total = rate(sel(metric, matchers, "_sum", **labels), window)
+    count = rate(sel(metric, matchers, "_count", **labels), window)
+    return f"{total} / {count}"
+
+
+def ratio(numerator: cat.Metric, denominator: cat.Metric, matchers: str = "") -> str:
+    """numerator / denominator, series by series (a zero denominator drops the series)."""
+    return f"{sel(numerator, matchers)} / ({sel(denominator, matchers)} > 0)"

@@ -1,0 +1,148 @@
+"""The alerts: Grafana's provisioning format, promtool's rule check, and promtool unit
+tests where every alert fires once and stays quiet once."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+from test_dashboards import known_series, metric_names
+
+from dashboards import build, model
+from dashboards.alert_cases import CASES
+from dashboards.alerting import EXPR_UID, expand, prometheus_rules
+from dashboards.alerts import ALERTS
+
+FILES = build.files()
+GRAFANA = yaml.safe_load(FILES["grafana/provisioning/alerting/alerts.yaml"])
+RULES = yaml.safe_load(FILES["prometheus/rules.yml"])
+DURATION = re.compile(r"\d+[smhd]")
+
+
+def write_rules(tmp_path: Path, rules: dict[str, Any] | None = None) -> Path:
+    """The generated rule file and its tests in tmp_path; returns the tests' path."""
+    (tmp_path / "rules.yml").write_text(
+        FILES["prometheus/rules.yml"] if rules is None else build.to_yaml(rules))
+    tests = tmp_path / "rules.test.yml"
+    tests.write_text(FILES["prometheus/rules.test.yml"])
+    return tests
+
+
+def promtool_run(promtool: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([promtool, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_the_issues_alerts_are_all_there_with_a_fix_in_each_description() -> None:
+    names = [a.name for a in ALERTS]
+    assert len(names) == len(set(names))
+    assert names == [
+        "DataLoaderInputBound", "DataLoaderEpochStartStall", "DataLoaderShmNearlyFull",
+        "DataLoaderShmFull", "DataLoaderWorkerLost", "DataLoaderStalled",
+        "DataLoaderExporterDown", "DataLoaderSnapshotsStale", "DataLoaderGpuCollectorDown",
+        "DataLoaderHostMemoryPressure"]
+    for a in ALERTS:
+        assert "Fix" in a.description and a.summary, a.name
+        assert "$" not in a.expr, f"{a.name}: alerts see every job, no dashboard variables"
+    by_name = {a.name: a for a in ALERTS}
+    assert "persistent_workers=True" in by_name["DataLoaderEpochStartStall"].description
+    assert by_name["DataLoaderShmFull"].severity == model.CRITICAL
+    assert by_name["DataLoaderInputBound"].for_ == "10m"
+
+
+def test_every_metric_an_alert_names_is_in_the_catalogue() -> None:
+    for a in ALERTS:
+        names = metric_names(a.expr)
+        assert names and names <= known_series(), (a.name, names - known_series())
+
+
+def test_grafana_alert_provisioning_matches_the_documented_format() -> None:
+    assert GRAFANA["apiVersion"] == 1
+    (group,) = GRAFANA["groups"]
+    assert group["orgId"] == 1 and group["name"] and group["folder"] == model.FOLDER
+    assert DURATION.fullmatch(group["interval"])
+    uids = [r["uid"] for r in group["rules"]]
+    assert len(uids) == len(set(uids)) == len(ALERTS)
+    for rule, alert in zip(group["rules"], ALERTS, strict=True):
+        assert {"uid", "title", "condition", "data", "for", "noDataState", "execErrState",
+                "annotations", "labels"} <= set(rule), rule["title"]
+        assert re.fullmatch(r"[a-z0-9-]{1,40}", rule["uid"]), rule["uid"]
+        assert rule["title"] == alert.name and DURATION.fullmatch(rule["for"])
+        assert rule["noDataState"] in ("NoData", "Alerting", "OK")
+        assert rule["execErrState"] in ("Error", "Alerting", "OK")
+        for mapping in (rule["annotations"], rule["labels"]):
+            assert all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items())
+        assert set(rule["annotations"]) == {"summary", "description"}
+        assert rule["labels"] == {"severity": alert.severity}
+        refs = [d["refId"] for d in rule["data"]]
+        assert len(refs) == len(set(refs)) and rule["condition"] in refs
+        for i, entry in enumerate(rule["data"]):
+            assert {"refId", "datasourceUid", "model"} <= set(entry)
+            assert entry["model"]["refId"] == entry["refId"]
+            if entry["datasourceUid"] == EXPR_UID:
+                assert entry["model"]["type"] in ("reduce", "threshold", "math")
+                assert entry["model"]["expression"] in refs[:i], "uses an earlier result"
+            else:
+                assert entry["datasourceUid"] == model.DATASOURCE_UID
+                assert set(entry["relativeTimeRange"]) == {"from", "to"}
+                m = entry["model"]
+                assert m["expr"] == alert.expr and m["instant"] is True and m["range"] is False
+                assert isinstance(m["intervalMs"], int) and isinstance(m["maxDataPoints"], int)
+        threshold = rule["data"][-1]["model"]
+        assert threshold["type"] == "threshold" and rule["condition"] == threshold["refId"]
+        assert threshold["conditions"][0]["evaluator"] == {"params": [0], "type": "gt"}
+
+
+def test_grafana_and_prometheus_carry_the_same_alerts() -> None:
+    prom = {r["alert"]: r for r in RULES["groups"][0]["rules"]}
+    for rule in GRAFANA["groups"][0]["rules"]:
+        twin = prom[rule["title"]]
+        assert twin["expr"] == rule["data"][0]["model"]["expr"]
+        assert twin["for"] == rule["for"] and twin["labels"] == rule["labels"]
+        assert twin["annotations"] == rule["annotations"]
+
+
+def test_the_rule_file_passes_promtool_check_rules(tmp_path: Path, promtool: str) -> None:
+    write_rules(tmp_path)
+    result = promtool_run(promtool, "check", "rules", str(tmp_path / "rules.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(ALERTS)} rules found" in result.stdout
+
+
+def test_every_alert_has_a_case_where_it_fires_and_one_where_it_stays_quiet() -> None:
+    names = {a.name for a in ALERTS}
+    assert {c.alert for c in CASES} == names
+    for name in names:
+        assert any(c.fires for c in CASES if c.alert == name), f"{name} never fires"
+        assert any(not c.fires for c in CASES if c.alert == name), f"{name} never quiet"
+    tests = yaml.safe_load(FILES["prometheus/rules.test.yml"])["tests"]
+    assert len(tests) == len(CASES) and len({t["name"] for t in tests}) == len(CASES)
+
+
+def test_promtool_unit_tests_pass_for_every_alert(tmp_path: Path, promtool: str) -> None:
+    result = promtool_run(promtool, "test", "rules", str(write_rules(tmp_path)))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_unit_tests_catch_an_alert_that_never_fires(tmp_path: Path, promtool: str) -> None:
+    """A rule file whose alerts can never fire fails a firing case of every alert."""
+    silent = prometheus_rules(ALERTS)
+    for rule in silent["groups"][0]["rules"]:
+        rule["expr"] = "vector(1) > 2"
+    result = promtool_run(promtool, "test", "rules", str(write_rules(tmp_path, silent)))
+    assert result.returncode != 0
+    for a in ALERTS:
+        assert f"alertname: {a.name}," in result.stdout + result.stderr, a.name
+
+
+def test_annotation_templates_expand_only_labels_the_alert_has() -> None:
+    assert expand("{{ $labels.rank }} on {{$labels.instance}}",
+                  {"rank": "0", "instance": "h:1"}) == "0 on h:1"
+    for bad in ("{{ $labels.gpu }}", "{{ $value }}"):
+        try:
+            expand(bad, {"rank": "0"})
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} expanded")

@@ -1,0 +1,159 @@
+"""Live: a real Prometheus scrapes a real exporter serving a real instrumented DataLoader
+run; every dashboard query (variables expanded) and every alert expression goes through
+Prometheus's HTTP API. None may error, and the core panels must show data."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from procs import REPO, Exporter, Prometheus
+
+from dashboards import build
+from dashboards.alerts import ALERTS
+from dashboards.render import render
+from exporter import catalogue as cat
+
+TARGET = "dashboards-live"
+# A trainer that keeps training until told to stop (or 90 s pass): 2 workers, epochs of
+# 8 batches, to_device onto the meta device so transfer metrics exist, a 5 ms "step".
+TRAINER = """
+import os, sys, time
+import instrument
+from helpers import SleepDataset
+metrics_dir, stop = sys.argv[1], sys.argv[2]
+loader = instrument.DataLoader(SleepDataset(32, 0.002), batch_size=4, num_workers=2,
+                               persistent_workers=True, name="train", metrics_dir=metrics_dir)
+end = time.monotonic() + 90
+while time.monotonic() < end and not os.path.exists(stop):
+    for x, _ in loader:
+        loader.to_device(x, "meta")
+        time.sleep(0.005)
+"""
+CORE_PANELS = {"Input stall share", "Fetch wait per batch", "Throughput: samples per second",
+               "Throughput: batches per second", "Workers active against configured",
+               "/dev/shm used against size"}
+
+
+@dataclass
+class Live:
+    prometheus: Prometheus
+    values: dict[str, str]  # dashboard variable -> its value in this run
+
+    def expand(self, expr: str) -> str:
+        """Substitutes the dashboard's variables as Grafana would for these selections."""
+        return re.sub(r"\$\{?(\w+)\}?", lambda m: self.values[m.group(1)], expr)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory, prometheus: Prometheus) -> Iterator[Live]:
+    tmp = tmp_path_factory.mktemp("live")
+    metrics, stop = tmp / "metrics", tmp / "stop"
+    metrics.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(metrics), str(stop)],
+                               cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    exporter = Exporter(f"--metrics-dir={metrics}")
+    prometheus.add_target(TARGET, exporter.address)
+    try:
+        # rate() needs two samples that differ: wait for batches to grow between scrapes.
+        sel = f'{cat.BATCHES.name}{{test="{TARGET}"}}'
+        prometheus.wait_for(f"rate({sel}[1m]) > 0", timeout=40)
+        # Grafana escapes a multi-value variable's regex characters inside the PromQL
+        # string: 127\\.0\\.0\\.1 (a backslash, escaped).
+        instance = re.escape(exporter.address).replace("\\", "\\\\")
+        values = {"datasource": "", "job": "dataloader-exporter", "instance": instance,
+                  "loader": "train", "rank": "0",
+                  "gpu": ".*", "__rate_interval": "1m"}
+        yield Live(prometheus, values)
+    finally:
+        prometheus.remove_target(TARGET)
+        stop.touch()
+        try:
+            trainer.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            trainer.kill()
+            trainer.wait()
+        assert trainer.stderr is not None
+        errors = trainer.stderr.read()
+        trainer.stderr.close()
+        exporter.stop()
+        assert trainer.returncode == 0, errors
+
+
+def finite(result: list[dict[str, Any]]) -> bool:
+    return any(math.isfinite(float(r["value"][1])) for r in result)
+
+
+def eventually(live: Live, expr: str, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """The query's result once it has a finite value (rates settle after a few scrapes)."""
+    end = time.monotonic() + timeout
+    while True:
+        result = live.prometheus.query(expr)
+        if finite(result) or time.monotonic() > end:
+            return result
+        time.sleep(0.25)
+
+
+def test_every_dashboard_query_runs_and_the_core_panels_show_data(live: Live) -> None:
+    checked = 0
+    for board in build.BOARDS:
+        for panel in render(board)["panels"]:
+            for target in panel.get("targets", []):
+                expr = live.expand(target["expr"])
+                if panel["title"] in CORE_PANELS and board.uid == "dataloader-overview":
+                    result = eventually(live, expr)
+                    assert finite(result), (panel["title"], target["legendFormat"], result)
+                else:
+                    live.prometheus.query(expr)  # raises on any error Prometheus reports
+                checked += 1
+    assert checked > 40
+
+
+def test_every_variable_query_runs_and_the_overview_ones_list_this_run(live: Live) -> None:
+    for board in build.BOARDS:
+        for v in render(board)["templating"]["list"]:
+            if v["type"] != "query":
+                continue
+            selector = re.fullmatch(r"label_values\((.+), \w+\)", v["definition"])
+            assert selector, v["definition"]
+            found = live.prometheus.api(f"label/{v['name']}/values",
+                                        **{"match[]": live.expand(selector.group(1))})
+            if board.uid == "dataloader-overview":
+                assert found, v["name"]
+    assert live.values["loader"] in live.prometheus.api(
+        "label/loader/values", **{"match[]": cat.BATCHES.name})
+
+
+def test_every_alert_expression_runs_and_gpu_collector_down_fires_without_nvml(
+        live: Live) -> None:
+    for alert in ALERTS:
+        result = live.prometheus.query(alert.expr)
+        assert all(float(r["value"][1]) > 0 for r in result), (alert.name, result)
+    down = live.prometheus.query(
+        f'{cat.COLLECTOR_UP.name}{{test="{TARGET}",collector="{cat.GPU}"}} == 0')
+    if down:  # no NVML on this machine: the alert's expression must pick that up
+        (gpu_alert,) = [a for a in ALERTS if a.name == "DataLoaderGpuCollectorDown"]
+        assert any(r["metric"].get("test") == TARGET
+                   for r in live.prometheus.query(gpu_alert.expr))
+
+
+def test_the_live_run_shows_a_sane_stall_share(live: Live) -> None:
+    """The trainer steps 5 ms and waits for batches of 4 samples x 2 ms over 2 workers:
+    the stall share is a real fraction, neither 0 nor 1."""
+    panel = next(p for p in render(build.BOARDS[0])["panels"]
+                 if p["title"] == "Input stall share")
+    result = eventually(live, live.expand(panel["targets"][0]["expr"]))
+    share = float(result[0]["value"][1])
+    assert 0 < share < 1, share
+    assert Path(REPO / "deploy").is_dir()
