@@ -8,6 +8,7 @@ perf_counter_ns calls, two deque appends and a few integer updates.
 from __future__ import annotations
 
 import logging
+import os
 from time import perf_counter_ns
 from typing import Any
 
@@ -33,8 +34,6 @@ class _Instruments:
 
     def __init__(self, name: str, registry: Any, metrics_dir: str | None, port: int | None,
                  shm_path: str | None = None) -> None:
-        import os
-
         self.name = name
         self.hub: Hub = hub_for(registry)
         self.preflight = Preflight(name) if shm_path is None else Preflight(name, shm_path)

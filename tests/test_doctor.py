@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import SleepDataset
+from helpers import SleepDataset, small_tmpfs
 from procs import REPO, Prometheus
 from prometheus_client import CollectorRegistry
 
@@ -112,22 +112,17 @@ def test_non_persistent_workers_with_a_slow_start_show_an_epoch_start_stall(
 
 
 def test_batches_too_big_for_shm_are_a_risk_with_a_shm_size(tmp_path: Path) -> None:
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-            capture_output=True).returncode != 0:
-        pytest.skip("needs root and mount for a Docker-sized /dev/shm")
-    reg = CollectorRegistry()
-    handle = instrument.serve(0, addr="127.0.0.1", registry=reg, shm_path=str(mnt))
-    try:
-        loader = instrument.DataLoader(SleepDataset(32, width=256 * 1024), batch_size=4,
-                                       num_workers=2, persistent_workers=True, name="big",
-                                       registry=reg)
-        code, report = doctor(handle.url + "/metrics", lambda: train_for(loader, INTERVAL + 2))
-    finally:
-        handle.shutdown()
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with small_tmpfs(tmp_path / "shm", "8m") as mnt:
+        reg = CollectorRegistry()
+        handle = instrument.serve(0, addr="127.0.0.1", registry=reg, shm_path=str(mnt))
+        try:
+            loader = instrument.DataLoader(SleepDataset(32, width=256 * 1024), batch_size=4,
+                                           num_workers=2, persistent_workers=True,
+                                           name="big", registry=reg)
+            code, report = doctor(handle.url + "/metrics",
+                                  lambda: train_for(loader, INTERVAL + 2))
+        finally:
+            handle.shutdown()
     d = only(report, "big")
     assert "shm-risk" in [f["kind"] for f in d["findings"]] and code == 1
     shm = [r for r in d["recommendations"] if r["setting"] == "--shm-size"]

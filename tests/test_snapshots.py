@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import SleepDataset, deadline_poll, parse, scrape
+from helpers import SleepDataset, deadline_poll, parse, scrape, small_tmpfs
 from prometheus_client import CollectorRegistry, generate_latest
 
 import instrument
@@ -106,13 +106,7 @@ def test_an_unwritable_directory_is_logged_once_and_training_goes_on(
 
 def test_a_full_disk_is_survived_and_writing_resumes_when_space_returns(
         tmp_path: Path, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture) -> None:
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-            capture_output=True).returncode != 0:
-        pytest.skip("needs root and mount to make a small filesystem")
-    try:
+    with small_tmpfs(tmp_path / "tiny", "256k") as mnt:
         filler = mnt / "filler"
         with contextlib.suppress(OSError):  # more than the 256 KiB filesystem holds
             filler.write_bytes(b"x" * 512 * 1024)
@@ -126,5 +120,3 @@ def test_a_full_disk_is_survived_and_writing_resumes_when_space_returns(
         assert writer.write()
         assert parse(Path(writer.path).read_text())[(cat.BATCHES.name, L)] == 3
         assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
