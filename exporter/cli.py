@@ -103,6 +103,10 @@ def run_serve(args: argparse.Namespace, unknown: Sequence[str]) -> int:
         handle = serve(registry, cfg.host, cfg.port)
     except OSError as e:
         return _fail([f"cannot listen on {cfg.listen_address}: {e.strerror or e}"])
+    # One collection in the background right away: NVML's first init can take longer than
+    # a scrape may wait, and the snapshot files get parsed before the first scrape.
+    threading.Thread(target=lambda: list(registry.collect()), name="warm-up",
+                     daemon=True).start()
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

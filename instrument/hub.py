@@ -15,7 +15,6 @@ import socket
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, write_to_textfile
@@ -69,7 +68,7 @@ class Hub:
 
 _default: Hub | None = None
 _default_lock = threading.Lock()
-_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, Hub] = weakref.WeakKeyDictionary()
+_HUB_ATTR = "_dataloader_exporter_hub"  # a caller's registry carries its hub (a GC-able cycle)
 
 
 def hub_for(registry: CollectorRegistry | None = None) -> Hub:
@@ -80,9 +79,10 @@ def hub_for(registry: CollectorRegistry | None = None) -> Hub:
             if _default is None:
                 _default = Hub()
             return _default
-        hub = _by_registry.get(registry)
-        if hub is None:
-            hub = _by_registry[registry] = Hub(registry)
+        hub = getattr(registry, _HUB_ATTR, None)
+        if not isinstance(hub, Hub):
+            hub = Hub(registry)
+            setattr(registry, _HUB_ATTR, hub)
         return hub
 
 

@@ -32,11 +32,11 @@ MAX_PENDING_EVENTS = 4096  # CUDA event pairs kept waiting before the oldest are
 class _Instruments:
     """One loader object's link to its recorder, sinks and advice."""
 
-    def __init__(self, name: str, registry: Any, metrics_dir: str | None, port: int | None,
-                 shm_path: str | None = None) -> None:
+    def __init__(self, name: str, registry: Any, metrics_dir: str | None,
+                 port: int | None) -> None:
         self.name = name
         self.hub: Hub = hub_for(registry)
-        self.preflight = Preflight(name) if shm_path is None else Preflight(name, shm_path)
+        self.preflight = Preflight(name)
         self.config = LoaderConfig(None, None, None, None, None)
         self.block: torch.Tensor | None = None
         self.epochs = 0
