@@ -41,21 +41,25 @@ def test_a_sigkilled_worker_shows_as_one_fewer_active_within_two_seconds(
     poller = threading.Thread(target=scraper)
     poller.start()
     killed_at = time.monotonic()
-    # torch's own error (raised by its SIGCHLD handler wherever the main thread is, or
-    # by its queue checks) reaches the training loop unchanged.
-    with pytest.raises(RuntimeError) as err:
+    # torch's SIGCHLD handler raises its error in the main thread wherever it is. Let it
+    # land in a sleep: raised inside torch's queue code it can leave a lock held, and the
+    # iterator's shutdown then hangs (a hazard of torch's, with or without this library).
+    with pytest.raises(RuntimeError) as signalled:
         os.kill(victim, signal.SIGKILL)
+        time.sleep(10)
+    assert f"DataLoader worker (pid {victim}) is killed by signal" in str(signalled.value)
+    # The loop then gets torch's own error from its queue checks, unchanged.
+    with pytest.raises(RuntimeError) as err:
         for _ in it:
             pass
-    assert f"DataLoader worker (pid {victim}) is killed by signal" in str(err.value) or (
-        f"DataLoader worker (pid(s) {victim})" in str(err.value)), err.value
+    assert f"DataLoader worker (pid(s) {victim}) exited unexpectedly" in str(err.value)
     poller.join()
     assert seen_at and seen_at[0] - killed_at < 2.0
     assert value(registry, cat.WORKERS_LOST.name, **L) == 1
     assert value(registry, cat.WORKERS_CONFIGURED.name, **L) == 2
     # Shut the iterator down now: torch's SIGCHLD handler would otherwise raise the same
     # error again in whatever test runs next.
-    del err, it, loader
+    del err, signalled, it, loader
     gc.collect()
 
 
