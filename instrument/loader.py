@@ -159,9 +159,12 @@ class TimedIterator:
         self._last = t1
         rec.last_batch_ns = t1
         rec.batches += 1
-        rec.samples += batch_len(batch)
-        if not rec.batches % BYTES_EVERY:
-            rec.batch_bytes = batch_nbytes(batch)
+        try:  # free in CPython 3.11 unless it raises; an odd batch must not stop training
+            rec.samples += batch_len(batch)
+            if not rec.batches % BYTES_EVERY:
+                rec.batch_bytes = batch_nbytes(batch)
+        except Exception:
+            pass
         return batch
 
     def _finish(self, clean: bool) -> None:

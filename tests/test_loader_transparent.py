@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -180,3 +181,24 @@ def test_wrapped_loader_delegates_len_attributes_and_batches(
         len(generator)
     assert [b.shape[0] for b in generator] == [2, 3]
     assert value(registry, cat.SAMPLES.name, loader="g", rank="0") == 5
+
+
+class Unreadable(Mapping):  # type: ignore[type-arg]
+    """A batch whose contents cannot be walked: the loop must still get it."""
+
+    def __getitem__(self, key: str) -> int:
+        raise RuntimeError("unreadable")
+
+    def __iter__(self) -> Any:
+        raise RuntimeError("unreadable")
+
+    def __len__(self) -> int:
+        return 1
+
+
+def test_batches_the_metrics_cannot_measure_still_reach_the_loop(
+        registry: CollectorRegistry) -> None:
+    items = [Unreadable() for _ in range(70)]  # past the every-64th-batch byte sample too
+    loader = instrument.wrap(items, name="t", registry=registry)
+    assert all(a is b for a, b in zip(loader, items, strict=True))
+    assert value(registry, cat.BATCHES.name, loader="t", rank="0") == 70
