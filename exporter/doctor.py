@@ -74,6 +74,15 @@ def _flag(text: str | None) -> bool | None:
     return {"true": True, "false": False}.get((text or "").lower())
 
 
+def shm_in_flight(batch_bytes: float, prefetch: int, workers: int, local_ranks: int = 1
+                  ) -> float:
+    """Shared memory the batches in flight may take: batch x prefetch x workers x ranks x 1.5.
+
+    The one formula behind the loader's preflight warning and the doctor's findings.
+    """
+    return batch_bytes * prefetch * workers * local_ranks * SHM_SAFETY
+
+
 def shm_size_advice(needed: float) -> str:
     """A --shm-size (whole GiB, at least 1g) with headroom for `needed` bytes."""
     return f"{max(1, math.ceil(needed * 1.25 / GiB))}g"
@@ -114,7 +123,7 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1) -> Diagno
     rec_workers = _recommend_workers(workers, starved, machine, local_ranks, cuda)
     in_flight = 0.0
     if s.batch_bytes:
-        in_flight = s.batch_bytes * prefetch * max(workers, rec_workers) * local_ranks * SHM_SAFETY
+        in_flight = shm_in_flight(s.batch_bytes, prefetch, max(workers, rec_workers), local_ranks)
     shm_total = s.shm_size if s.shm_size is not None else machine.shm_size
     if in_flight and shm_total is not None and in_flight > shm_total:
         d.findings.append(Finding("shm-risk", (
@@ -167,7 +176,7 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1) -> Diagno
         rec.append(Recommendation("non_blocking", "True", "", (
             "with pinned memory, to_device(..., non_blocking=True) lets the copy overlap the "
             "previous step")))
-    needed = (s.batch_bytes or 0) * want_prefetch * eff_workers * local_ranks * SHM_SAFETY
+    needed = shm_in_flight(s.batch_bytes or 0, want_prefetch, eff_workers, local_ranks)
     if eff_workers and needed and (shm_total is None or needed > shm_total):
         rec.append(Recommendation("--shm-size", shm_size_advice(needed),
                                   _gib(shm_total) if shm_total else "unknown", (

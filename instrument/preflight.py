@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from exporter.doctor import SHM_SAFETY, shm_in_flight, shm_size_advice
 
 from .env import SHM_PATH, ShmSpace, human_bytes, physical_cores, shm_space
 
 log = logging.getLogger("instrument")
 
-GiB = 1024**3
-SHM_SAFETY = 1.5
 
 
 @dataclass(frozen=True)
@@ -53,13 +52,8 @@ class LoaderConfig:
 
 def shm_needed(batch_bytes: int, cfg: LoaderConfig, local_ranks: int = 1) -> int:
     """Shared memory the loader's in-flight batches may need, with a 1.5x margin."""
-    workers = cfg.num_workers or 0
-    return int(batch_bytes * (cfg.prefetch_factor or 2) * workers * local_ranks * SHM_SAFETY)
-
-
-def shm_size_advice(needed: int) -> str:
-    """A --shm-size value (whole GiB, at least 1g) that leaves room for `needed` bytes."""
-    return f"{max(1, math.ceil(needed * 1.25 / GiB))}g"
+    return int(shm_in_flight(batch_bytes, cfg.prefetch_factor or 2, cfg.num_workers or 0,
+                             local_ranks))
 
 
 class Preflight:
