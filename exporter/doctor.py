@@ -147,10 +147,11 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1) -> Diagno
     cores = _worker_cores(machine, local_ranks, cuda)
     if rec_workers != workers:
         spare = "" if cuda else ", keeping a core for the training loop, which runs on the CPU"
-        why = (f"the loop waits for data {_pct(stall)} of the time and {cores} cores per "
+        n_cores = f"{cores} core{'' if cores == 1 else 's'}"
+        why = (f"the loop waits for data {_pct(stall)} of the time and {n_cores} per "
                f"local rank can load in parallel (storage: {machine.storage}{spare})"
                if rec_workers > workers else
-               f"more workers than the {cores} cores per local rank{spare} only fight for CPU")
+               f"more workers than the {n_cores} per local rank{spare} only fight for CPU")
         rec.append(Recommendation("num_workers", str(rec_workers), str(workers), why))
     eff_workers = max(workers, rec_workers)
     busy = s.worker_busy_share
