@@ -14,12 +14,11 @@ import logging
 import time
 
 import torch
-import torch.nn.functional as F
 from prometheus_client import generate_latest
 
 import instrument
 from exporter.signals import Scrape, Window, loaders
-from instrument.demo import NoisyImages, model
+from instrument.demo import NoisyImages, model, train_step
 
 
 def summary(name: str) -> str:
@@ -50,12 +49,8 @@ def main() -> None:
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     t0 = time.perf_counter()
     for epoch in itertools.count() if args.epochs == 0 else range(args.epochs):
-        for x, y in loader:
-            x, y = loader.to_device((x, y), "cpu")
-            loss = F.cross_entropy(net(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        for batch in loader:
+            loss = train_step(net, opt, loader, batch)
         print(f"epoch {epoch}: loss {loss.item():.3f}; {summary('train')}", flush=True)
     print(f"{time.perf_counter() - t0:.1f} s")
 

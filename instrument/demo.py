@@ -55,6 +55,17 @@ def model() -> nn.Module:
                          nn.Flatten(), nn.Linear(12 * 64, 10))
 
 
+def train_step(net: nn.Module, opt: torch.optim.Optimizer, loader: Any,
+               batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """One SGD step on a batch moved through the loader's timed to_device; the loss."""
+    x, y = loader.to_device(batch, "cpu")
+    loss = F.cross_entropy(net(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 @dataclass
 class Result:
     name: str
@@ -84,13 +95,9 @@ def run_phase(name: str, settings: dict[str, Any], seconds: float, samples: int)
     start = time.perf_counter()
     epochs, seen, last_print = 0, 0, 0.0
     while epochs < 2 or time.perf_counter() - start < seconds:
-        for x, y in loader:
-            x, y = loader.to_device((x, y), "cpu")
-            loss = F.cross_entropy(net(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            seen += len(y)
+        for batch in loader:
+            loss = train_step(net, opt, loader, batch)
+            seen += len(batch[1])
             now = time.perf_counter()
             if now - last_print > 0.5:
                 last_print = now
