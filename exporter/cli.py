@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry
 
 from exporter import __version__, config, doctor_cli, top
+from exporter.collectors.trainer import TrainerCollector
 from exporter.http import serve
-from exporter.sources import attach, system_sources, trainer_source
+from exporter.sources import attach, system_sources
 
 log = logging.getLogger("exporter")
 
@@ -97,7 +98,7 @@ def run_serve(args: argparse.Namespace, unknown: Sequence[str]) -> int:
     sources = system_sources(cfg.shm_path, gpu="gpu" in cfg.collectors,
                              shm="shm" in cfg.collectors, host="host" in cfg.collectors)
     if "trainer" in cfg.collectors and cfg.metrics_dir is not None:
-        sources.insert(0, trainer_source(cfg.metrics_dir, cfg.stale_after))
+        sources.insert(0, TrainerCollector(cfg.metrics_dir, cfg.stale_after))
     supervisor = attach(registry, sources)
     try:
         handle = serve(registry, cfg.host, cfg.port)

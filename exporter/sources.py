@@ -9,7 +9,6 @@ from .collectors.gpu import GpuCollector
 from .collectors.host import HostCollector
 from .collectors.shm import ShmCollector
 from .collectors.supervisor import Supervisor
-from .collectors.trainer import TrainerCollector
 
 
 def system_sources(shm_path: str = "/dev/shm", gpu: bool = True, shm: bool = True,
@@ -23,10 +22,6 @@ def system_sources(shm_path: str = "/dev/shm", gpu: bool = True, shm: bool = Tru
     if host:
         sources.append(HostCollector())
     return sources
-
-
-def trainer_source(metrics_dir: str, stale_after: float) -> SourceCollector:
-    return TrainerCollector(metrics_dir, stale_after)
 
 
 def attach(registry: CollectorRegistry, sources: list[SourceCollector]) -> Supervisor:
