@@ -113,9 +113,12 @@ WORKERS_LOST = _m(
     "dataloader_workers_lost_total", COUNTER,
     "Worker processes that died while the loader still needed them (killed, crashed).",
     "", LOADER_LABELS, TRAINER)
-WORKER_BUSY = _m(
-    "dataloader_worker_busy_seconds_total", COUNTER,
-    "Time each worker process spent producing samples and collating batches.",
+# CPU time, not wall time: a worker's wait for I/O cannot be timed without wrapping the
+# dataset, which torch and users inspect (instrument/workers.py), so it is not guessed.
+WORKER_CPU = _m(
+    "dataloader_worker_cpu_seconds_total", COUNTER,
+    "CPU time (user and system) each worker process has used, start-up included, as of "
+    "its latest batch.",
     "seconds", WORKER_LABELS, TRAINER)
 WORKER_SAMPLES = _m(
     "dataloader_worker_samples_total", COUNTER,
@@ -123,7 +126,7 @@ WORKER_SAMPLES = _m(
     "", WORKER_LABELS, TRAINER)
 WORKER_HEARTBEAT = _m(
     "dataloader_worker_heartbeat_timestamp_seconds", GAUGE,
-    "Unix time at which each worker process last finished a sample.",
+    "Unix time at which each worker process last finished a batch.",
     "seconds", WORKER_LABELS, TRAINER)
 BATCH_BYTES = _m(
     "dataloader_batch_bytes", GAUGE,

@@ -95,7 +95,7 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1) -> Diagno
         "stall_share": stall, "batches_per_second": s.batches_per_second,
         "samples_per_second": s.samples_per_second, "fetch_p50_seconds": s.fetch_p50,
         "fetch_p95_seconds": s.fetch_p95, "first_batch_seconds": s.first_batch_mean,
-        "median_wait_seconds": s.median_wait, "worker_busy_share": s.worker_busy_share,
+        "median_wait_seconds": s.median_wait, "worker_cpu_share": s.worker_cpu_share,
         "workers_configured": s.workers_configured, "workers_active": s.workers_active,
         "batch_bytes": s.batch_bytes, "gpu_utilization": s.gpu_utilization,
         "window_seconds": s.seconds})
@@ -154,15 +154,15 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1) -> Diagno
                f"more workers than the {n_cores} per local rank{spare} only fight for CPU")
         rec.append(Recommendation("num_workers", str(rec_workers), str(workers), why))
     eff_workers = max(workers, rec_workers)
-    busy = s.worker_busy_share
+    busy = s.worker_cpu_share
     want_prefetch = prefetch
     if any(f.kind in ("shm-risk", "host-memory-risk") for f in d.findings) and prefetch > 1:
         want_prefetch = max(1, prefetch // 2)
         why = "fewer batches in flight keep /dev/shm and host memory within bounds"
     elif starved and eff_workers and busy is not None and busy < 0.7 and workers:
         want_prefetch = max(4, prefetch)
-        why = (f"workers are busy only {_pct(busy)} of the time yet the loop waits: a deeper "
-               "queue hides uneven sample costs")
+        why = (f"workers use only {_pct(busy)} of a core each yet the loop waits: samples "
+               "wait on I/O or cost unevenly, and a deeper queue hides that")
     else:
         why = "the default queue of two batches per worker is enough here"
     if eff_workers:

@@ -11,7 +11,7 @@ from exporter.signals import Labels, Series, Window
 
 # Counters and histogram parts read as increases; everything else as latest values.
 _INCREASE = [cat.TIME, cat.STEP, cat.BATCHES, cat.SAMPLES, cat.EPOCHS, cat.TRANSFER_BYTES,
-             cat.WORKER_BUSY]
+             cat.WORKER_CPU]
 _LATEST = [cat.FIRST_BATCH, cat.TIME, cat.WORKERS_CONFIGURED, cat.WORKERS_ACTIVE,
            cat.WORKERS_LOST, cat.BATCH_BYTES, cat.INFO, cat.SHM_SIZE, cat.SHM_USED,
            cat.SHM_FREE, cat.HOST_MEMORY_TOTAL, cat.HOST_MEMORY_AVAILABLE, cat.HOST_SWAP_USED,

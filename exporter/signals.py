@@ -108,7 +108,7 @@ class LoaderSignals:
     workers_configured: float | None = None
     workers_active: float | None = None
     workers_lost: float = 0.0
-    worker_busy_seconds: float = 0.0
+    worker_cpu_seconds: float | None = None  # None: no per-worker figures (unknown)
     batch_bytes: float | None = None
     config: dict[str, str] = field(default_factory=dict)
     shm_size: float | None = None
@@ -134,11 +134,12 @@ class LoaderSignals:
         return self.samples / self.seconds if self.seconds else 0.0
 
     @property
-    def worker_busy_share(self) -> float | None:
+    def worker_cpu_share(self) -> float | None:
+        """CPU the workers used, as a share of one core each over the window."""
         n = self.workers_configured
-        if not n or not self.seconds:
+        if not n or not self.seconds or self.worker_cpu_seconds is None:
             return None
-        return self.worker_busy_seconds / (n * self.seconds)
+        return self.worker_cpu_seconds / (n * self.seconds)
 
     @property
     def shm_fill(self) -> float | None:
@@ -169,9 +170,11 @@ def loaders(window: Window) -> list[LoaderSignals]:
     return [_signals(window, loader, rank) for loader, rank in sorted(keys)]
 
 
-def _sum_matching(series: Series, name: str, want: dict[str, str]) -> float:
-    return sum(v for (n, labels), v in series.items()
-               if n == name and all(dict(labels).get(k) == val for k, val in want.items()))
+def _sum_matching(series: Series, name: str, want: dict[str, str]) -> float | None:
+    """The sum of the matching series; None when there is none (unknown, not 0)."""
+    values = [v for (n, labels), v in series.items()
+              if n == name and all(dict(labels).get(k) == val for k, val in want.items())]
+    return sum(values) if values else None
 
 
 def _signals(w: Window, loader: str, rank: str) -> LoaderSignals:
@@ -198,7 +201,7 @@ def _signals(w: Window, loader: str, rank: str) -> LoaderSignals:
     s.workers_configured = _get(last, cat.WORKERS_CONFIGURED.name, **lr)
     s.workers_active = _get(last, cat.WORKERS_ACTIVE.name, **lr)
     s.workers_lost = _get(last, cat.WORKERS_LOST.name, **lr) or 0.0
-    s.worker_busy_seconds = _sum_matching(inc, cat.WORKER_BUSY.name, lr)
+    s.worker_cpu_seconds = _sum_matching(inc, cat.WORKER_CPU.name, lr)
     s.batch_bytes = _get(last, cat.BATCH_BYTES.name, **lr)
     for (n, labels), _v in last.items():
         if n == cat.INFO.name and dict(labels).get("loader") == loader and (

@@ -10,7 +10,7 @@ sidecar exporter, and/or are served in-process (port= or instrument.serve()).
 
 from .hub import SnapshotWriter, default_registry, hub_for
 from .loader import DataLoader, WrappedLoader, to_device, wrap
-from .serve import serve
+from .serve import serve, shutdown
 
 
 def write_snapshots(directory: str, interval: float = 1.0) -> SnapshotWriter:
@@ -23,6 +23,7 @@ __all__ = [
     "WrappedLoader",
     "default_registry",
     "serve",
+    "shutdown",
     "to_device",
     "wrap",
     "write_snapshots",

@@ -1,9 +1,11 @@
 """Where a process's loader metrics live and how they leave it.
 
-One Hub per registry holds the recorders (keyed by loader name and rank) and one
-collector over them. Metrics leave the process as atomic snapshot files written by a
-daemon thread (for the sidecar, or node_exporter's textfile collector) and/or over
-HTTP served in-process. Nothing here runs at import time or touches the global REGISTRY.
+One Hub per registry, and the Hub owns everything attached to that registry: the
+recorders (keyed by loader name and rank), the one trainer collector over them, the
+snapshot writers (one thread per directory), the HTTP servers (one per address) and
+the GPU, /dev/shm and host collectors (attached once, for in-process serving). Snapshot
+files carry only the trainer's metrics: a sidecar reads the system metrics itself.
+Nothing here runs at import time or touches prometheus_client's global REGISTRY.
 """
 
 from __future__ import annotations
@@ -13,12 +15,17 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, write_to_textfile
 
+from exporter.collectors.supervisor import Supervisor
+from exporter.http import ServerHandle
+from exporter.http import serve as http_serve
+from exporter.sources import attach, system_sources
+
+from .env import SHM_PATH
 from .recorder import LoaderCollector, LoaderRecorder
 
 log = logging.getLogger("instrument")
@@ -28,14 +35,24 @@ SNAPSHOT_INTERVAL = 1.0
 
 
 class Hub:
-    """The recorders of one registry and the sinks attached to it."""
+    """The recorders of one registry and the sinks attached to it.
+
+    Building a second Hub on a registry raises (the trainer collector describes its
+    families, so the registry refuses duplicates): use hub_for(), which finds the one.
+    """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._recorders: dict[tuple[str, str], LoaderRecorder] = {}
         self._lock = threading.Lock()
         self._writers: dict[str, SnapshotWriter] = {}
-        self.registry.register(LoaderCollector(self.recorders))
+        self._servers: dict[tuple[str, int], ServerHandle] = {}
+        self._system: Supervisor | None = None
+        trainer = LoaderCollector(self.recorders)
+        self.registry.register(trainer)
+        # What snapshot files carry: the trainer collector alone.
+        self._trainer_only = CollectorRegistry()
+        self._trainer_only.register(trainer)
 
     def recorders(self) -> Iterable[LoaderRecorder]:
         with self._lock:
@@ -56,7 +73,7 @@ class Hub:
         with self._lock:
             writer = self._writers.get(key)
             if writer is None:
-                writer = self._writers[key] = SnapshotWriter(self.registry, key, interval)
+                writer = self._writers[key] = SnapshotWriter(self._trainer_only, key, interval)
                 writer.start()
             return writer
 
@@ -65,19 +82,46 @@ class Hub:
         for writer in list(self._writers.values()):
             writer.wake()
 
+    def serve(self, port: int = 0, addr: str = "0.0.0.0", system_metrics: bool = True,
+              shm_path: str = SHM_PATH) -> ServerHandle:
+        """Serves the registry on addr:port, once per address (port 0: a new free port).
+
+        system_metrics attaches the GPU (NVML), /dev/shm and host collectors to the
+        registry, once. Raises OSError when the port is taken by anything else.
+        """
+        with self._lock:
+            handle = self._servers.get((addr, port)) if port else None
+            if handle is None or handle.closed:
+                handle = http_serve(self.registry, addr, port)
+                self._servers[(addr, handle.port)] = handle
+            if system_metrics and self._system is None:
+                self._system = attach(self.registry, system_sources(shm_path))
+            return handle
+
+    def close(self) -> None:
+        """Stops this hub's servers and snapshot threads (after one last snapshot each)."""
+        with self._lock:
+            servers, self._servers = list(self._servers.values()), {}
+            writers, self._writers = list(self._writers.values()), {}
+        for handle in servers:
+            handle.shutdown()
+        for writer in writers:
+            writer.close()
+
 
 _default: Hub | None = None
 _default_lock = threading.Lock()
-_HUB_ATTR = "_dataloader_exporter_hub"  # a caller's registry carries its hub (a GC-able cycle)
+_HUB_ATTR = "_dataloader_exporter_hub"  # a registry carries its hub (a GC-able cycle)
 
 
 def hub_for(registry: CollectorRegistry | None = None) -> Hub:
-    """The process's default hub, or the hub bound to a caller's registry."""
+    """The process's default hub, or the one hub bound to a caller's registry."""
     global _default
     with _default_lock:
         if registry is None:
             if _default is None:
                 _default = Hub()
+                setattr(_default.registry, _HUB_ATTR, _default)
             return _default
         hub = getattr(registry, _HUB_ATTR, None)
         if not isinstance(hub, Hub):
@@ -128,6 +172,7 @@ class SnapshotWriter:
 
     def close(self) -> None:
         """Stops the thread and writes one last snapshot."""
+        atexit.unregister(self.close)
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -160,15 +205,3 @@ class SnapshotWriter:
                 log.info("dataloader-exporter: metrics snapshots to %s work again", self.path)
             self.writes += 1
             return True
-
-
-def wait_for_write(writer: SnapshotWriter, timeout: float = 5.0) -> bool:
-    """Blocks until the writer completes one more write (for tests and short scripts)."""
-    target = writer.writes + 1
-    writer.wake()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if writer.writes >= target:
-            return True
-        time.sleep(0.01)
-    return False

@@ -1,16 +1,19 @@
 """The instrumented DataLoader, wrap() for loaders built elsewhere, and the timed iterator.
 
 The training loop sees exactly what it would see without us: the same batches in the
-same order, the same len() and the same exceptions. The per-batch cost is two
-perf_counter_ns calls, two deque appends and a few integer updates.
+same order, the same len() and the same exceptions, and torch sees the user's own
+dataset, sampler and worker_init_fn (see workers.py for the one hook, collate_fn, that
+the workers get wrapped). The per-batch cost is two perf_counter_ns calls, two deque
+appends and a few integer updates.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.data
@@ -21,7 +24,9 @@ from .env import current_rank
 from .hub import ENV_DIR, Hub, hub_for
 from .preflight import LoaderConfig, Preflight
 from .recorder import LoaderRecorder
-from .workers import TimedCollate, WorkerInit, new_block, timed_dataset
+from .workers import TimedCollate, new_block
+
+T_co = TypeVar("T_co", covariant=True)
 
 log = logging.getLogger("instrument")
 
@@ -38,17 +43,16 @@ class _Instruments:
         self.hub: Hub = hub_for(registry)
         self.preflight = Preflight(name)
         self.config = LoaderConfig(None, None, None, None, None)
-        self.block: torch.Tensor | None = None
         self.epochs = 0
         self._rec: LoaderRecorder | None = None
+        self._last_it: weakref.ref[Any] | None = None  # the iterator whose workers we track
+        self._last_gen = 0
         directory = metrics_dir or os.environ.get(ENV_DIR) or None
         if directory:
             self.hub.write_snapshots(directory)
         if port is not None:
-            from .serve import serve
-
             try:
-                serve(port, registry=self.hub.registry)
+                self.hub.serve(port)
             except OSError as e:
                 log.warning("dataloader %r: cannot serve metrics on port %s: %s "
                             "(training goes on)", name, port, e)
@@ -70,11 +74,25 @@ class _Instruments:
         except Exception:  # advice must never stop training
             log.debug("preflight failed", exc_info=True)
 
-    def worker_block(self, num_workers: int) -> torch.Tensor:
-        if self.block is None or self.block.shape[0] < num_workers:
-            self.block = new_block(num_workers)
-            self.rec.workers.use_block(self.block)
-        return self.block
+    def tracking(self, it: Any) -> bool:
+        """Whether `it` is the iterator whose workers are tracked already (persistent)."""
+        last = self._last_it() if self._last_it is not None else None
+        return last is not None and last is it
+
+    def track(self, it: Any, block: torch.Tensor | None) -> int:
+        """Tracks the workers of a new iterator until it is collected; 0 when there are none."""
+        if self.tracking(it):
+            return self._last_gen
+        pids = compat.worker_pids(it)
+        if block is None and not pids:
+            return 0
+        try:
+            self._last_it = weakref.ref(it)
+        except TypeError:  # cannot tell when it goes away, so its workers are not tracked
+            self._last_it = None
+            return 0
+        self._last_gen = self.rec.workers.start(it, block, pids)
+        return self._last_gen
 
     def first_batch(self, batch: Any, since_iter_ns: int) -> None:
         rec = self.rec
@@ -85,19 +103,14 @@ class _Instruments:
         except Exception:
             log.debug("first-batch preflight failed", exc_info=True)
 
-    def end(self, clean: bool) -> None:
+    def end(self, clean: bool, gen: int) -> None:
         """The iterator ended: StopIteration (clean) or an exception."""
         rec = self.rec
         if not clean:
             rec.workers.refresh(0.0, on_error=True)
-        if not self.config.persistent_workers:
-            rec.workers.retire()
+        elif gen and not self.config.persistent_workers:
+            rec.workers.stop(gen)  # torch has shut these workers down on purpose
         self.hub.flush_now()
-
-    def abandoned(self) -> None:
-        """The iterator was dropped mid-epoch (break): torch shuts its workers down."""
-        if not self.config.persistent_workers:
-            self.rec.workers.retire()
 
     def to_device(self, batch: Any, device: Any, non_blocking: bool) -> Any:
         rec = self.rec
@@ -126,13 +139,14 @@ class _Instruments:
 class TimedIterator:
     """Times each next() of the iterator it holds; everything else passes through."""
 
-    __slots__ = ("__weakref__", "_done", "_it", "_last", "_owner", "_rec", "_start")
+    __slots__ = ("__weakref__", "_done", "_gen", "_it", "_last", "_owner", "_rec", "_start")
 
-    def __init__(self, it: Any, owner: _Instruments, start_ns: int) -> None:
+    def __init__(self, it: Any, owner: _Instruments, start_ns: int, gen: int = 0) -> None:
         self._it = it
         self._owner = owner
         self._rec = owner.rec
         self._start = start_ns
+        self._gen = gen
         self._last = 0
         self._done = False
 
@@ -171,7 +185,7 @@ class TimedIterator:
         if not self._done:
             self._done = True
             try:
-                self._owner.end(clean)
+                self._owner.end(clean, self._gen)
             except Exception:
                 log.debug("metrics bookkeeping failed at end of epoch", exc_info=True)
 
@@ -183,16 +197,8 @@ class TimedIterator:
             raise AttributeError(name)
         return getattr(self._it, name)
 
-    def __del__(self) -> None:
-        try:
-            if not self._done:
-                self._done = True
-                self._owner.abandoned()
-        except Exception:
-            pass
 
-
-class DataLoader(torch.utils.data.DataLoader):
+class DataLoader(torch.utils.data.DataLoader[T_co]):
     """torch.utils.data.DataLoader, instrumented. Same arguments, plus:
 
     name: the `loader` label (loaders sharing a name share series);
@@ -201,9 +207,9 @@ class DataLoader(torch.utils.data.DataLoader):
     registry: a prometheus_client CollectorRegistry to use instead of the process default.
     """
 
-    def __init__(self, dataset: Any, *args: Any, name: str = "default",
-                 metrics_dir: str | None = None, port: int | None = None,
-                 registry: Any = None, **kwargs: Any) -> None:
+    def __init__(self, dataset: torch.utils.data.Dataset[T_co], *args: Any,
+                 name: str = "default", metrics_dir: str | None = None,
+                 port: int | None = None, registry: Any = None, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
         self.name = name
         self.metrics_dir = metrics_dir
@@ -216,22 +222,19 @@ class DataLoader(torch.utils.data.DataLoader):
         dle.start_epoch(self)
         if not self.num_workers:
             return TimedIterator(super().__iter__(), dle, start)
-        # Public hooks only: the iterator reads dataset, collate_fn and worker_init_fn
-        # while it starts the workers, so they see timed versions; we see ours after.
-        block = dle.worker_block(self.num_workers)
-        dataset, collate, init = self.dataset, self.collate_fn, self.worker_init_fn
-        object.__setattr__(self, "dataset", timed_dataset(dataset))
-        self.collate_fn = TimedCollate(collate)
-        self.worker_init_fn = WorkerInit(block, init)
+        if self.persistent_workers and dle.tracking(compat.persistent_iterator(self)):
+            it = super().__iter__()  # the same workers again: nothing new to hand them
+            return TimedIterator(it, dle, start, dle.track(it, None))
+        # New workers get a TimedCollate (their one hook, see workers.py) while torch's
+        # iterator starts them; the loader's collate_fn is the user's again right after.
+        block = new_block(self.num_workers)
+        collate = self.collate_fn
+        self.collate_fn = TimedCollate(collate, block, batched=self.batch_sampler is not None)
         try:
             it = super().__iter__()
         finally:
-            object.__setattr__(self, "dataset", dataset)
             self.collate_fn = collate
-            self.worker_init_fn = init
-        # Workers announce their pids once started; until then the iterator knows them.
-        dle.rec.workers.set_pids(compat.worker_pids(it))
-        return TimedIterator(it, dle, start)
+        return TimedIterator(it, dle, start, dle.track(it, block))
 
     def to_device(self, batch: Any, device: Any, non_blocking: bool = True) -> Any:
         """Moves a (nested) batch to `device` and times the transfer (see instrument.to_device)."""
@@ -260,8 +263,7 @@ class WrappedLoader:
         start = perf_counter_ns()
         dle.start_epoch(self.loader)
         it = iter(self.loader)
-        dle.rec.workers.set_pids(compat.worker_pids(it))
-        return TimedIterator(it, dle, start)
+        return TimedIterator(it, dle, start, dle.track(it, None))
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -274,6 +276,22 @@ class WrappedLoader:
         if name.startswith("__") or "loader" not in self.__dict__:
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Settings go to the loader, which accepts or refuses them as it would unwrapped.
+        if name in _WRAPPER_OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.loader, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in _WRAPPER_OWN:
+            object.__delattr__(self, name)
+        else:
+            delattr(self.loader, name)
+
+
+_WRAPPER_OWN = frozenset({"loader", "_dle"})
 
 
 def wrap(loader: Any, name: str = "default", metrics_dir: str | None = None,

@@ -53,10 +53,6 @@ class Histo:
         out.append(("+Inf", float(cum[-1])))
         return out
 
-    @property
-    def count(self) -> int:
-        return int(self.counts.sum())
-
 
 def _le(bound: float) -> str:
     return repr(float(bound))
@@ -125,11 +121,19 @@ class LoaderRecorder:
         return time.time() - (time.perf_counter_ns() - self.last_batch_ns) / 1e9
 
 
+TRAINER_METRICS: tuple[cat.Metric, ...] = tuple(m for m in cat.ALL if m.source == cat.TRAINER)
+
+
 class LoaderCollector(Collector):
     """Yields the trainer metrics of every recorder in a process's registry."""
 
     def __init__(self, recorders: Callable[[], Iterable[LoaderRecorder]]) -> None:
         self._recorders = recorders
+
+    def describe(self) -> Iterator[Family]:
+        """The families collect() yields, so a registry refuses a second trainer collector."""
+        for metric in TRAINER_METRICS:
+            yield family(metric)
 
     def collect(self) -> Iterator[Family]:
         recs = list(self._recorders())
@@ -139,17 +143,16 @@ class LoaderCollector(Collector):
 
 
 def _families(recs: list[LoaderRecorder]) -> Iterator[Family]:
-    time_f = family(cat.TIME)
+    time_f, step_f, first_f = family(cat.TIME), family(cat.STEP), family(cat.FIRST_BATCH)
     for r in recs:
-        for phase, h in ((cat.PHASE_FETCH, r.fetch_h), (cat.PHASE_TRANSFER, r.transfer_h)):
-            time_f.add_metric([r.name, r.rank, phase], h.buckets(), h.sum)
+        with r.lock:  # a concurrent flush must not tear a histogram
+            for phase, h in ((cat.PHASE_FETCH, r.fetch_h), (cat.PHASE_TRANSFER, r.transfer_h)):
+                time_f.add_metric([r.name, r.rank, phase], h.buckets(), h.sum)
+            step_f.add_metric([r.name, r.rank], r.step_h.buckets(), r.step_h.sum)
+            first_f.add_metric([r.name, r.rank], r.first_h.buckets(), r.first_h.sum)
     yield time_f
-    for metric, attr in ((cat.STEP, "step_h"), (cat.FIRST_BATCH, "first_h")):
-        f = family(metric)
-        for r in recs:
-            h = getattr(r, attr)
-            f.add_metric([r.name, r.rank], h.buckets(), h.sum)
-        yield f
+    yield step_f
+    yield first_f
     simple: list[tuple[cat.Metric, Callable[[LoaderRecorder], float | None]]] = [
         (cat.BATCHES, lambda r: r.batches),
         (cat.SAMPLES, lambda r: r.samples),
@@ -168,16 +171,15 @@ def _families(recs: list[LoaderRecorder]) -> Iterator[Family]:
             if value is not None:
                 f.add_metric([r.name, r.rank], value)
         yield f
-    busy, samples, beat = family(cat.WORKER_BUSY), family(cat.WORKER_SAMPLES), family(
+    cpu, samples, beat = family(cat.WORKER_CPU), family(cat.WORKER_SAMPLES), family(
         cat.WORKER_HEARTBEAT)
     for r in recs:
-        for worker, busy_ns, n, beat_ns in r.workers.per_worker():
+        for worker, cpu_ns, n, beat_ns in r.workers.per_worker():
             labels = [r.name, r.rank, str(worker)]
-            busy.add_metric(labels, busy_ns / 1e9)
+            cpu.add_metric(labels, cpu_ns / 1e9)
             samples.add_metric(labels, n)
-            if beat_ns:
-                beat.add_metric(labels, beat_ns / 1e9)
-    yield busy
+            beat.add_metric(labels, beat_ns / 1e9)
+    yield cpu
     yield samples
     yield beat
     info = family(cat.INFO)

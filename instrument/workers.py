@@ -1,13 +1,24 @@
 """Worker processes report to their main process through a small shared-memory block.
 
-Each worker owns one row of an int64 tensor placed in shared memory before the
-workers start: busy nanoseconds, samples, last-sample wall time (ns) and its pid.
-The block travels to workers through public DataLoader hooks only: a chained
-``worker_init_fn`` (binds the row), a dataset wrapper (times each sample) and a
-collate wrapper (times collation). Workers never write metric files.
+How the block reaches the workers, and why only this way. torch hands a worker four
+objects of ours: the dataset, the sampler's indices, ``worker_init_fn`` and ``collate_fn``.
+torch and users branch on the dataset's type (``IterDataPipe`` sharding and reseeding,
+``IterableDataset``, ``isinstance(get_worker_info().dataset, MyDataset)``), so the dataset
+is never replaced, not even for the workers, and ``worker_init_fn`` is left alone too.
+What remains is ``collate_fn``, a plain callable that torch calls once per batch in the
+worker and never inspects. While the iterator starts its workers it sees a
+``TimedCollate`` around the user's function; ``loader.collate_fn`` is the user's again
+before ``iter()`` returns.
 
-The main process reads the block at most once a second, off the per-batch path, and
-checks each registered pid with psutil (never waitpid: reaping belongs to torch).
+At the end of each batch a worker writes into its row of an int64 block: the process's
+CPU time so far, samples collated, the wall time (ns) and its pid. How long a worker
+spent fetching samples (wall time, I/O included) cannot be known without wrapping the
+dataset, so it is not measured: CPU time is what is exported. One block belongs to one
+torch iterator (one generation of workers); when that iterator is collected its workers
+are gone, and the block's figures are folded into per-worker totals and released.
+
+The main process reads the blocks at most once a second, off the per-batch path, and
+checks each pid with psutil (never waitpid: reaping belongs to torch).
 """
 
 from __future__ import annotations
@@ -16,21 +27,19 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import psutil
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import get_worker_info
 
 log = logging.getLogger("instrument")
 
-BUSY, SAMPLES, HEARTBEAT, PID = range(4)
+CPU, SAMPLES, HEARTBEAT, PID = range(4)
 _FIELDS = 4
-
-# Set in a worker process by WorkerInit; None in the main process.
-_row: np.ndarray | None = None
 
 
 def new_block(num_workers: int) -> torch.Tensor:
@@ -38,171 +47,131 @@ def new_block(num_workers: int) -> torch.Tensor:
     return torch.zeros((num_workers, _FIELDS), dtype=torch.int64).share_memory_()
 
 
-class WorkerInit:
-    """Chained worker_init_fn: binds this worker's row, then runs the user's function."""
-
-    def __init__(self, block: torch.Tensor, user_fn: Callable[[int], Any] | None) -> None:
-        self.block = block
-        self.user_fn = user_fn
-
-    def __call__(self, worker_id: int) -> None:
-        global _row
-        try:
-            row = self.block.numpy()[worker_id]
-            row[PID] = os.getpid()
-            _row = row
-        except Exception:  # metrics must never stop a worker
-            _row = None
-        if self.user_fn is not None:
-            self.user_fn(worker_id)
-
-
-def _account(start_ns: int, samples: int) -> None:
-    row = _row
-    if row is not None:
-        end = time.perf_counter_ns()
-        row[BUSY] += end - start_ns
-        row[SAMPLES] += samples
-        row[HEARTBEAT] = time.time_ns()
-
-
 class TimedCollate:
-    """Wraps collate_fn so that collation counts as worker busy time."""
+    """The user's collate_fn, plus one row update per batch when called in a worker."""
 
-    def __init__(self, collate_fn: Callable[[Any], Any]) -> None:
+    def __init__(self, collate_fn: Callable[[Any], Any], block: torch.Tensor,
+                 batched: bool) -> None:
         self.collate_fn = collate_fn
+        self.block = block
+        self.batched = batched  # auto-collation: `data` is a list of samples
+        self._row: Any = None  # this process's row; False where there is none
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"collate_fn": self.collate_fn, "block": self.block, "batched": self.batched,
+                "_row": None}
 
     def __call__(self, data: Any) -> Any:
-        if _row is None:
-            return self.collate_fn(data)
-        t0 = time.perf_counter_ns()
         out = self.collate_fn(data)
-        _account(t0, 0)
+        row = self._row
+        if row is None:
+            row = self._row = self._bind()
+        if row is not False:
+            # A __getitems__ may return something without len(): then no samples are added.
+            row[SAMPLES] += (len(data) if hasattr(data, "__len__") else 0) if self.batched else 1
+            row[CPU] = time.process_time_ns()
+            row[HEARTBEAT] = time.time_ns()
         return out
 
-
-class TimedMapDataset(Dataset):
-    """A map-style dataset that times each sample inside worker processes.
-
-    Reads and writes of other attributes go to the user's dataset, so a worker_init_fn
-    that configures ``get_worker_info().dataset`` (shard bounds, say) works unchanged.
-    """
-
-    def __init__(self, dataset: Any) -> None:
-        self.__dict__["dataset"] = dataset
-
-    def __getitem__(self, index: Any) -> Any:
-        t0 = time.perf_counter_ns()
-        item = self.dataset[index]
-        _account(t0, 1)
-        return item
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getattr__(self, name: str) -> Any:
-        # torch's fetcher looks __getitems__ up on the instance; time it when it exists.
-        if name == "__getitems__":
-            inner = getattr(self.__dict__.get("dataset"), "__getitems__", None)
-            if inner is None:
-                raise AttributeError(name)
-            return _TimedGetItems(inner)
-        if name.startswith("__") or "dataset" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # A user's worker_init_fn configures get_worker_info().dataset: pass it through.
-        setattr(self.dataset, name, value)
+    def _bind(self) -> Any:
+        try:
+            info = get_worker_info()
+            if info is None:
+                return False
+            row = self.block.numpy()[info.id]
+            row[PID] = os.getpid()
+            return row
+        except Exception:  # metrics must never stop a worker
+            return False
 
 
-class _TimedGetItems:
-    def __init__(self, inner: Callable[[Any], Any]) -> None:
-        self.inner = inner
+class _Generation:
+    """One torch iterator's workers: their block (None for wrapped loaders) and pids."""
 
-    def __call__(self, indices: Any) -> Any:
-        t0 = time.perf_counter_ns()
-        items = self.inner(indices)
-        _account(t0, len(indices))
-        return items
+    __slots__ = ("block", "pids", "watched")
 
+    def __init__(self, block: torch.Tensor | None, pids: list[int]) -> None:
+        self.block = block
+        self.pids = pids
+        self.watched = True
 
-class TimedIterableDataset(IterableDataset):
-    """An iterable dataset that times each sample inside worker processes."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.__dict__["dataset"] = dataset
-
-    def __iter__(self) -> Iterator[Any]:
-        it = iter(self.dataset)
-        clock = time.perf_counter_ns
-        while True:
-            t0 = clock()
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            _account(t0, 1)
-            yield item
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or "dataset" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # A user's worker_init_fn configures get_worker_info().dataset: pass it through.
-        setattr(self.dataset, name, value)
-
-
-def timed_dataset(dataset: Any) -> Any:
-    """The wrapper that fits the dataset's kind (map-style or iterable)."""
-    if isinstance(dataset, IterableDataset):
-        return TimedIterableDataset(dataset)
-    return TimedMapDataset(dataset)
+    def all_pids(self) -> set[int]:
+        pids = set(self.pids)
+        if self.block is not None:
+            pids.update(int(p) for p in self.block.numpy()[:, PID] if p)
+        return pids
 
 
 class WorkerTracker:
-    """Liveness and counters of one loader's worker processes, read off the hot path.
+    """Liveness and counters of one loader name's worker processes, read off the hot path.
 
-    Pids come from a source (the shared block, or a private iterator attribute for
-    wrapped loaders). A registered pid found dead twice in a row, or dead when the
-    loader raised, counts as lost; retire() forgets pids the loader shut down itself.
+    A watched pid found dead twice in a row, or dead when the loader raised, counts as
+    lost. A generation stops being watched when its workers end on purpose (the end of
+    a non-persistent epoch) and is folded into the totals when its iterator is collected.
     """
 
     def __init__(self, min_interval: float = 1.0) -> None:
         self.min_interval = min_interval
-        self.active = 0
+        self.active: int | None = 0
         self.lost = 0
-        self._lock = threading.Lock()
-        self._blocks: list[torch.Tensor] = []
-        self._pids: list[int] = []
+        self._lock = threading.RLock()  # retire() may run from the GC inside a locked call
+        self._live: dict[int, _Generation] = {}
+        self._ids = 0
+        self._cpu = np.zeros(0, dtype=np.int64)
+        self._samples = np.zeros(0, dtype=np.int64)
+        self._beat = np.zeros(0, dtype=np.int64)
         self._procs: dict[int, psutil.Process] = {}
         self._suspect: set[int] = set()
         self._next = 0.0
 
     # --- fed by the loader ------------------------------------------------------------
-    def use_block(self, block: torch.Tensor) -> None:
+    def start(self, iterator: Any, block: torch.Tensor | None, pids: list[int]) -> int:
+        """Watches a new iterator's workers until the iterator (weak-referenceable) is
+        collected, after torch has shut them down."""
         with self._lock:
-            if not any(b is block for b in self._blocks):
-                self._blocks.append(block)
-
-    def set_pids(self, pids: list[int]) -> None:
-        with self._lock:
-            self._pids = [p for p in pids if p]
-
-    def retire(self) -> None:
-        """The loader shut its workers down itself: stop watching their pids."""
-        with self._lock:
-            for block in self._blocks:
-                block[:, PID] = 0
-            self._pids = []
-            self._suspect.clear()
-            self.active = 0
+            self._ids += 1
+            key = self._ids
+            self._live[key] = _Generation(block, [p for p in pids if p])
             self._next = 0.0
+        weakref.finalize(iterator, self.retire, key)
+        return key
+
+    def stop(self, key: int, retire: bool = False) -> None:
+        """Its workers ended on purpose: stop watching them (and fold them, if asked)."""
+        with self._lock:
+            gen = self._live.get(key)
+            if gen is not None:
+                gen.watched = False
+                self._drop_pids(gen)
+        if retire:
+            self.retire(key)
+
+    def retire(self, key: int) -> None:
+        """The iterator is gone, and its workers with it: fold their figures, free the block."""
+        with self._lock:
+            gen = self._live.pop(key, None)
+            if gen is None:
+                return
+            self._drop_pids(gen)
+            if gen.block is not None:
+                arr = gen.block.numpy()
+                n = arr.shape[0]
+                self._grow(n)
+                self._cpu[:n] += arr[:, CPU]
+                self._samples[:n] += arr[:, SAMPLES]
+                np.maximum(self._beat[:n], arr[:, HEARTBEAT], out=self._beat[:n])
+
+    def _drop_pids(self, gen: _Generation) -> None:
+        for pid in gen.all_pids():
+            self._suspect.discard(pid)
+            self._procs.pop(pid, None)
+
+    def _grow(self, n: int) -> None:
+        if self._cpu.shape[0] < n:
+            grow = n - self._cpu.shape[0]
+            self._cpu = np.concatenate([self._cpu, np.zeros(grow, dtype=np.int64)])
+            self._samples = np.concatenate([self._samples, np.zeros(grow, dtype=np.int64)])
+            self._beat = np.concatenate([self._beat, np.zeros(grow, dtype=np.int64)])
 
     # --- read by the collector ---------------------------------------------------------
     def refresh(self, now: float, on_error: bool = False) -> None:
@@ -211,9 +180,13 @@ class WorkerTracker:
             return
         with self._lock:
             self._next = now + self.min_interval
-            pids = set(self._pids)
-            for block in self._blocks:
-                pids.update(int(p) for p in block.numpy()[:, PID] if p)
+            watched = [g for g in self._live.values() if g.watched]
+            pids: set[int] = set()
+            for gen in watched:
+                pids |= gen.all_pids()
+            if watched and not pids:
+                self.active = None  # workers exist, but none can be seen yet
+                return
             alive = 0
             for pid in pids:
                 if self._alive(pid):
@@ -238,21 +211,32 @@ class WorkerTracker:
     def _forget(self, pid: int) -> None:
         self._suspect.discard(pid)
         self._procs.pop(pid, None)
-        self._pids = [p for p in self._pids if p != pid]
-        for block in self._blocks:
-            col = block[:, PID]
-            col[col == pid] = 0
+        for gen in self._live.values():
+            gen.pids = [p for p in gen.pids if p != pid]
+            if gen.block is not None:
+                col = gen.block[:, PID]
+                col[col == pid] = 0
 
     def per_worker(self) -> list[tuple[int, int, int, int]]:
-        """(worker, busy_ns, samples, heartbeat_ns) summed over this loader's blocks."""
+        """(worker, cpu_ns, samples, heartbeat_ns) per worker index that has reported."""
         with self._lock:
-            if not self._blocks:
+            blocks = [g.block for g in self._live.values() if g.block is not None]
+            width = max([self._cpu.shape[0], *(b.shape[0] for b in blocks)])
+            if not width:
                 return []
-            width = max(b.shape[0] for b in self._blocks)
-            total = np.zeros((width, _FIELDS), dtype=np.int64)
-            for block in self._blocks:
+            cpu = np.zeros(width, dtype=np.int64)
+            samples = np.zeros(width, dtype=np.int64)
+            beat = np.zeros(width, dtype=np.int64)
+            n = self._cpu.shape[0]
+            cpu[:n] += self._cpu
+            samples[:n] += self._samples
+            beat[:n] = self._beat
+            for block in blocks:
                 arr = block.numpy()
-                total[: arr.shape[0], :2] += arr[:, :2]
-                np.maximum(total[: arr.shape[0], 2], arr[:, 2], out=total[: arr.shape[0], 2])
-            return [(i, int(r[BUSY]), int(r[SAMPLES]), int(r[HEARTBEAT])) for i, r in
-                    enumerate(total)]
+                m = arr.shape[0]
+                cpu[:m] += arr[:, CPU]
+                samples[:m] += arr[:, SAMPLES]
+                np.maximum(beat[:m], arr[:, HEARTBEAT], out=beat[:m])
+            # A worker that has not finished a batch yet has no figures: none are made up.
+            return [(i, int(cpu[i]), int(samples[i]), int(beat[i])) for i in range(width)
+                    if beat[i]]

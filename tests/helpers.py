@@ -34,6 +34,20 @@ class SleepDataset(Dataset):  # type: ignore[type-arg]
         return torch.full((self.width,), float(i)), i
 
 
+class BurnDataset(SleepDataset):
+    """Like SleepDataset, but each __getitem__ spends `cpu` seconds of CPU time."""
+
+    def __init__(self, n: int, cpu: float = 0.0, width: int = 4) -> None:
+        super().__init__(n, 0.0, width)
+        self.cpu = cpu
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        end = time.process_time() + self.cpu
+        while time.process_time() < end:
+            pass
+        return super().__getitem__(i)
+
+
 class FailingDataset(SleepDataset):
     """Raises ValueError at index `bad`."""
 
@@ -65,6 +79,46 @@ class SizedRangeIterable(RangeIterable):
         return self.n
 
 
+class WhoAmI(Dataset):  # type: ignore[type-arg]
+    """Each sample says which dataset object the worker's torch sees, and whether it
+    passes the user's isinstance check (the usual pattern for per-worker sharding)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, str, bool]:
+        info = get_worker_info()
+        seen = None if info is None else info.dataset
+        return i, type(seen).__qualname__, isinstance(seen, WhoAmI)
+
+
+class WhoAmIIterable(IterableDataset):  # type: ignore[type-arg]
+    """The iterable kind of WhoAmI, sharded by worker the usual way."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        if info is not None and not isinstance(info.dataset, WhoAmIIterable):
+            raise TypeError(f"worker sees {type(info.dataset).__qualname__}")
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.n, step):
+            seen = None if info is None else info.dataset
+            yield i, type(seen).__qualname__
+
+
+class GetItemsDataset(SleepDataset):
+    """A map-style dataset that fetches whole batches through __getitems__, as torch
+    asks when it exists; each call is logged in the sample it returns."""
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
+        return [(torch.full((self.width,), float(i)), len(indices)) for i in indices]
+
+
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
     """A sample's value by catalogue name and labels (default loader/rank labels)."""
     return registry.get_sample_value(name, labels)
@@ -81,6 +135,13 @@ def parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return parse(generate_latest(registry).decode())
+
+
+def wait_for_write(writer: Any, timeout: float = 5.0) -> bool:
+    """Blocks until a SnapshotWriter completes one more write."""
+    target = writer.writes + 1
+    writer.wake()
+    return bool(deadline_poll(lambda: writer.writes >= target, timeout, 0.01))
 
 
 def deadline_poll(check: Any, timeout: float, interval: float = 0.05) -> Any:

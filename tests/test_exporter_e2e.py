@@ -7,19 +7,19 @@ import urllib.request
 from pathlib import Path
 
 import psutil
-from helpers import SleepDataset
+from helpers import BurnDataset, wait_for_write
 from procs import Exporter, Prometheus, scalar
 from prometheus_client import CollectorRegistry
 
 import instrument
 from exporter import catalogue as cat
-from instrument.hub import hub_for, wait_for_write
+from instrument.hub import hub_for
 
 
 def trainer_run(metrics_dir: Path) -> None:
     """3 epochs x 4 batches of 2 over real workers, snapshots into metrics_dir."""
     reg = CollectorRegistry()
-    loader = instrument.DataLoader(SleepDataset(8, 0.002), batch_size=2, num_workers=2,
+    loader = instrument.DataLoader(BurnDataset(8, 0.002), batch_size=2, num_workers=2,
                                    persistent_workers=True, name="train",
                                    metrics_dir=str(metrics_dir), registry=reg)
     for _ in range(3):
@@ -44,8 +44,8 @@ def test_a_real_runs_metrics_reach_prometheus_through_the_sidecar(
         assert scalar(prometheus.query(cat.TRANSFER_BYTES.name + sel)) == 12 * 2 * 4 * 4
         fetch = f'{cat.TIME.name}_count{{test="e2e",loader="train",phase="fetch"}}'
         assert scalar(prometheus.query(fetch)) == 12
-        busy = prometheus.query(f'sum({cat.WORKER_BUSY.name}{{test="e2e"}})')
-        assert 0.9 * 24 * 0.002 < scalar(busy) < 10
+        cpu = prometheus.query(f'sum({cat.WORKER_CPU.name}{{test="e2e"}})')
+        assert 0.9 * 24 * 0.002 < scalar(cpu) < 10
         info = prometheus.query(cat.INFO.name + '{test="e2e",persistent_workers="true"}')
         assert scalar(info) == 1
         for collector, up in (("trainer", 1), ("shm", 1), ("host", 1), ("gpu", 0)):

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from helpers import SleepDataset, scrape, value
+from helpers import BurnDataset, SleepDataset, scrape, value
 from prometheus_client import CollectorRegistry
 
 import instrument
@@ -125,20 +125,23 @@ def test_info_metric_carries_the_effective_configuration(registry: CollectorRegi
 
 
 @pytest.mark.parametrize("persistent", [True, False])
-def test_worker_busy_time_and_samples_add_up_to_the_work_done(
+def test_worker_cpu_time_and_samples_add_up_to_the_work_done(
         registry: CollectorRegistry, persistent: bool) -> None:
-    n, delay = 16, 0.01
-    loader = instrument.DataLoader(SleepDataset(n, delay), batch_size=2, num_workers=2,
+    n, cpu = 16, 0.01
+    loader = instrument.DataLoader(BurnDataset(n, cpu), batch_size=2, num_workers=2,
                                    persistent_workers=persistent, name="t", registry=registry)
     for _ in range(2):
         for _ in loader:
             pass
     samples = scrape(registry)
-    busy = [v for (k, labels), v in samples.items() if k == cat.WORKER_BUSY.name]
+    used = [v for (k, labels), v in samples.items() if k == cat.WORKER_CPU.name]
     counts = [v for (k, labels), v in samples.items() if k == cat.WORKER_SAMPLES.name]
-    assert len(busy) == 2 and sum(counts) == 2 * n and min(counts) > 0
-    truth = 2 * n * delay
-    assert truth * 0.95 < sum(busy) < truth * 1.25, (busy, truth)
+    assert len(used) == 2 and sum(counts) == 2 * n and min(counts) > 0
+    truth = 2 * n * cpu
+    # Forked workers' CPU clocks start at zero, but each worker's start-up is CPU too (tens
+    # of ms on these machines): allow 0.1 s per worker process, less than a double count.
+    processes = 2 if persistent else 4
+    assert truth * 0.95 < sum(used) < truth * 1.25 + 0.1 * processes, (used, truth)
     beats = [v for (k, _), v in samples.items() if k == cat.WORKER_HEARTBEAT.name]
     assert len(beats) == 2 and all(abs(b - time.time()) < 30 for b in beats)
 

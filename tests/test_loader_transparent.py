@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import pickle
+import typing
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 import torch
-from helpers import FailingDataset, RangeIterable, SizedRangeIterable, SleepDataset, value
+from helpers import (
+    BurnDataset,
+    FailingDataset,
+    GetItemsDataset,
+    RangeIterable,
+    SizedRangeIterable,
+    SleepDataset,
+    WhoAmI,
+    WhoAmIIterable,
+    scrape,
+    value,
+)
 from prometheus_client import CollectorRegistry
+from torch.utils.data import BatchSampler, RandomSampler
 from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data.datapipes.iter import IterableWrapper
 
 import instrument
 from exporter import catalogue as cat
@@ -118,15 +132,27 @@ def test_nested_iteration_over_one_loader_matches_torch(registry: CollectorRegis
     assert mine == theirs
 
 
-def test_the_loader_is_still_a_torch_dataloader_with_the_users_dataset(
+def _collate(batch: list[Any]) -> Any:
+    return torch.utils.data.default_collate(batch)
+
+
+def _init(worker_id: int) -> None:
+    pass
+
+
+def test_the_loader_is_still_a_torch_dataloader_with_the_users_objects(
         registry: CollectorRegistry) -> None:
     ds = SleepDataset(4)
-    loader = instrument.DataLoader(ds, batch_size=2, num_workers=2, name="t", registry=registry)
+    loader = instrument.DataLoader(ds, batch_size=2, num_workers=2, name="t", registry=registry,
+                                   collate_fn=_collate, worker_init_fn=_init)
+    sampler, batch_sampler = loader.sampler, loader.batch_sampler
     for _ in loader:
-        assert loader.dataset is ds
+        assert loader.dataset is ds and loader.collate_fn is _collate
+        assert loader.worker_init_fn is _init
     assert isinstance(loader, TorchDataLoader)
-    assert loader.dataset is ds and loader.worker_init_fn is None
-    assert loader.collate_fn is torch.utils.data.default_collate
+    assert loader.dataset is ds and loader.worker_init_fn is _init
+    assert loader.collate_fn is _collate
+    assert loader.sampler is sampler and loader.batch_sampler is batch_sampler
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -157,15 +183,107 @@ def test_a_pickled_loader_unpickles_and_iterates_the_same(registry: CollectorReg
     assert batches(copy) == batches(loader)
 
 
-def test_spawned_workers_give_the_same_batches_and_report_busy_time(
+def worker_figures(registry: CollectorRegistry, metric: cat.Metric) -> list[float]:
+    return [v for (k, _), v in scrape(registry).items() if k == metric.name]
+
+
+@pytest.mark.parametrize(("workers", "persistent"),
+                         [(0, False), (1, False), (1, True), (2, False), (2, True)])
+def test_datapipes_are_sharded_and_reseeded_exactly_as_torch_does(
+        registry: CollectorRegistry, workers: int, persistent: bool) -> None:
+    def pipe() -> Any:
+        return IterableWrapper(range(12)).shuffle().sharding_filter()
+
+    kw = {"batch_size": None, "num_workers": workers, "persistent_workers": persistent}
+    bare = TorchDataLoader(pipe(), generator=torch.Generator().manual_seed(7), **kw)
+    ours = instrument.DataLoader(pipe(), generator=torch.Generator().manual_seed(7),
+                                 name="t", registry=registry, **kw)
+    mine, theirs = batches(ours, 2), batches(bare, 2)
+    assert mine == theirs
+    assert all(sorted(epoch) == list(range(12)) for epoch in mine)  # each item once
+    assert mine[0] != mine[1]  # reseeded: the second epoch has its own order
+    assert value(registry, cat.SAMPLES.name, loader="t", rank="0") == 24
+    if workers:
+        assert sum(worker_figures(registry, cat.WORKER_SAMPLES)) == 24
+
+
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_workers_see_the_users_own_dataset_object(registry: CollectorRegistry,
+                                                  kind: str) -> None:
+    dataset = WhoAmI(6) if kind == "map" else WhoAmIIterable(6)
+    bare, ours = pair(dataset, registry, batch_size=None, num_workers=2)
+    mine, theirs = batches(ours), batches(bare)
+    assert mine == theirs
+    assert {tuple(item[1:]) for item in mine[0]} == (
+        {(type(dataset).__qualname__, True)} if kind == "map" else {(type(dataset).__qualname__,)})
+
+
+def _same_everywhere(dataset: Any, registry: CollectorRegistry, samples: int,
+                     **kw: Any) -> None:
+    """Two epochs of the same loader, bare and instrumented, give identical batches, and
+    the workers' figures add up."""
+    bare, ours = pair(dataset, registry, **kw)
+    assert batches(ours, 2) == batches(bare, 2)
+    assert sum(worker_figures(registry, cat.WORKER_SAMPLES)) == 2 * samples
+    assert len(worker_figures(registry, cat.WORKER_CPU)) == kw["num_workers"]
+    assert all(v > 0 for v in worker_figures(registry, cat.WORKER_CPU))
+
+
+def test_a_batch_sampler_gives_the_same_batches(registry: CollectorRegistry) -> None:
+    def batch_sampler() -> BatchSampler:
+        return BatchSampler(RandomSampler(range(10), generator=torch.Generator().manual_seed(3)),
+                            batch_size=3, drop_last=False)
+
+    bare = TorchDataLoader(SleepDataset(10), batch_sampler=batch_sampler(), num_workers=2)
+    sampler = batch_sampler()
+    ours = instrument.DataLoader(SleepDataset(10), batch_sampler=sampler, num_workers=2,
+                                 name="t", registry=registry)
+    assert batches(ours, 2) == batches(bare, 2)
+    assert ours.batch_sampler is sampler
+    assert sum(worker_figures(registry, cat.WORKER_SAMPLES)) == 20
+
+
+def test_a_getitems_dataset_is_fetched_through_getitems_as_torch_does(
         registry: CollectorRegistry) -> None:
-    kw = {"batch_size": 2, "num_workers": 2, "multiprocessing_context": "spawn"}
-    bare, ours = pair(SleepDataset(6, 0.01), registry, **kw)
-    assert batches(ours) == batches(bare)
-    busy = [registry.get_sample_value(cat.WORKER_BUSY.name,
-                                      {"loader": "t", "rank": "0", "worker": w})
-            for w in ("0", "1")]
-    assert all(b is not None and b > 0 for b in busy), busy
+    _same_everywhere(GetItemsDataset(9), registry, 9, batch_size=4, shuffle=True,
+                     num_workers=2)
+
+
+def test_an_iterable_dataset_without_batching_gives_the_same_items(
+        registry: CollectorRegistry) -> None:
+    _same_everywhere(RangeIterable(7), registry, 7, batch_size=None, num_workers=2)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_every_start_method_gives_the_same_batches_and_worker_figures(
+        registry: CollectorRegistry, method: str) -> None:
+    _same_everywhere(BurnDataset(6, 0.001), registry, 6, batch_size=2, shuffle=True,
+                     num_workers=2, persistent_workers=True, multiprocessing_context=method)
+
+
+def test_the_loader_is_generic_like_torchs() -> None:
+    alias = instrument.DataLoader[list[torch.Tensor]]
+    assert typing.get_origin(alias) is instrument.DataLoader
+
+    def make() -> instrument.DataLoader[int]:  # evaluated below, as at import time
+        raise NotImplementedError
+
+    hints = typing.get_type_hints(make)
+    assert typing.get_args(hints["return"]) == (int,)
+    assert issubclass(instrument.DataLoader, TorchDataLoader)
+
+
+def test_settings_assigned_to_a_wrapped_loader_reach_the_loader(
+        registry: CollectorRegistry) -> None:
+    inner = TorchDataLoader(SleepDataset(4), batch_size=2)
+    wrapped = instrument.wrap(inner, name="t", registry=registry)
+    with pytest.raises(ValueError) as theirs:
+        inner.batch_size = 3
+    with pytest.raises(ValueError) as mine:
+        wrapped.batch_size = 3
+    assert str(mine.value) == str(theirs.value)
+    wrapped.timeout = 7
+    assert inner.timeout == 7 and "timeout" not in vars(wrapped)
 
 
 def test_wrapped_loader_delegates_len_attributes_and_batches(

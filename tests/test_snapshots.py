@@ -11,12 +11,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import SleepDataset, deadline_poll, parse, scrape, small_tmpfs
+from helpers import SleepDataset, deadline_poll, parse, scrape, small_tmpfs, wait_for_write
 from prometheus_client import CollectorRegistry, generate_latest
 
 import instrument
 from exporter import catalogue as cat
-from instrument.hub import hub_for, wait_for_write
+from instrument.hub import hub_for
 
 REPO = Path(__file__).resolve().parents[1]
 L = (("loader", "t"), ("rank", "0"))

@@ -160,15 +160,20 @@ def test_a_missing_directory_marks_the_collector_down_and_logs_once(
     assert reg.get_sample_value(cat.COLLECTOR_UP.name, {"collector": "trainer"}) == 1
 
 
-def test_in_process_system_metrics_in_a_snapshot_are_not_duplicated(tmp_path: Path) -> None:
+def test_snapshots_of_an_in_process_server_carry_only_the_trainers_metrics(
+        tmp_path: Path) -> None:
     reg = CollectorRegistry()
     handle = instrument.serve(0, addr="127.0.0.1", registry=reg)  # attaches shm/host/gpu
     try:
         for _ in instrument.DataLoader(SleepDataset(2), batch_size=1, name="t", registry=reg):
             pass
+        assert reg.get_sample_value(cat.SHM_SIZE.name, {"path": "/dev/shm"}) is not None
         writer = hub_for(reg).write_snapshots(str(tmp_path))
         assert writer.write()
-        assert cat.SHM_SIZE.name in Path(writer.path).read_text()
+        written = {k[0] for k in parse(Path(writer.path).read_text())}
+        assert cat.BATCHES.name in written
+        trainer = {s for m in cat.ALL if m.source == cat.TRAINER for s in cat.series_names(m)}
+        assert written <= trainer, written - trainer
     finally:
         handle.shutdown()
     out = exporter_registry(TrainerCollector(str(tmp_path)))

@@ -30,6 +30,18 @@ class Supervisor(Collector):
         self.build_info = build_info
         self._log = LogOnce(log)
 
+    def describe(self) -> Iterator[Family]:
+        """The families collect() may yield, so a registry refuses duplicates of them."""
+        sources = {s.name for s in self.sources}
+        own = [cat.COLLECTOR_UP, cat.COLLECTOR_DURATION, cat.COLLECTOR_ERRORS]
+        if self.build_info:
+            own.append(cat.BUILD_INFO)
+        if cat.TRAINER in sources:
+            own += [cat.SNAPSHOT_FILES, cat.SNAPSHOT_AGE]
+        for metric in cat.ALL:
+            if metric.source in sources or metric in own:
+                yield family(metric)
+
     def collect(self) -> Iterator[Family]:
         up, duration, errors = (family(cat.COLLECTOR_UP), family(cat.COLLECTOR_DURATION),
                                 family(cat.COLLECTOR_ERRORS))
