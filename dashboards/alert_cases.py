@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from exporter import catalogue as cat
 
-from .model import EXPORTER_JOB, Case
+from .model import EXPORTER_CONTAINER, EXPORTER_JOB, Case
 from .promql import sel
 
 HOST = {"job": EXPORTER_JOB, "instance": "trainer-0:9478"}
@@ -18,6 +18,7 @@ LOADER = {**HOST, "loader": "train", "rank": "0"}
 SHM = {**HOST, "path": "/dev/shm"}
 GPU0 = {**HOST, "gpu": "0", "gpu_uuid": "GPU-0"}
 FETCH = {**LOADER, "phase": cat.PHASE_FETCH}
+POD = {"instance": "10.0.0.5:9478", "namespace": "team-a", "pod": "llm-0"}
 
 
 def s(metric: cat.Metric, values: str, suffix: str = "", **labels: str) -> tuple[str, str]:
@@ -111,6 +112,10 @@ CASES: tuple[Case, ...] = (
     Case("DataLoaderExporterDown", "fires when the scrape fails for 5 minutes",
          ((f'up{{instance="{HOST["instance"]}",job="{EXPORTER_JOB}"}}', "0x10"),), "5m",
          fires(HOST)),
+    Case("DataLoaderExporterDown", "fires for a Kubernetes sidecar, whose job is the training's",
+         ((f'up{{container="{EXPORTER_CONTAINER}",instance="{POD["instance"]}",job="llm",'
+           f'namespace="{POD["namespace"]}",pod="{POD["pod"]}"}}', "0x10"),), "5m",
+         fires({**POD, "job": "llm", "container": EXPORTER_CONTAINER})),
     Case("DataLoaderExporterDown", "stays quiet while scrapes succeed",
          ((f'up{{instance="{HOST["instance"]}",job="{EXPORTER_JOB}"}}', "1x10"),), "5m"),
 

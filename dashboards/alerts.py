@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from exporter import catalogue as cat
 
-from .model import CRITICAL, EXPORTER_JOB, WARNING, Alert
+from .model import CRITICAL, EXPORTER_CONTAINER, EXPORTER_JOB, WARNING, Alert
 from .promql import quantile, ratio, sel, stall_share
 
 WINDOW = "5m"
@@ -97,13 +97,14 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "DataLoaderExporterDown",
-        f'1 - up{{job="{EXPORTER_JOB}"}} > 0',
+        f'1 - (up{{job="{EXPORTER_JOB}"}} or up{{container="{EXPORTER_CONTAINER}"}}) > 0',
         "2m", WARNING,
         "dataloader-exporter on {{ $labels.instance }} cannot be scraped",
         "Prometheus could not scrape the dataloader-exporter for 2 minutes: no DataLoader,"
         " GPU or /dev/shm metrics, and no other alert, from this host. Fix: check that the"
         " sidecar runs and listens (default port 9478) and that its address in the scrape"
-        " config is right.",
+        " config is right (Kubernetes: the pod's dataloader-exporter container, its probes"
+        " and its log).",
     ),
     Alert(
         "DataLoaderSnapshotsStale",

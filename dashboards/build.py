@@ -1,10 +1,13 @@
 """Every generated file: the dashboards' JSON, Grafana's provisioning (datasource,
-dashboards, alert rules), and the Prometheus rule file with its promtool tests.
+dashboards, alert rules), the Prometheus rule files (alerts, and recording rules that
+aggregate across ranks) with their promtool tests, and the Kubernetes objects that must
+agree with them (under ``kubernetes/``: the sidecar patches, the PodMonitor, the
+PrometheusRules and the dashboards as ConfigMaps).
 
 The layout under the output directory is what docker-compose mounts:
 ``grafana/provisioning`` on /etc/grafana/provisioning, ``grafana/dashboards`` on
 DASHBOARDS_PATH, ``prometheus/`` on /etc/prometheus, whose hand-written prometheus.yml
-loads ``rules.yml``. Output is
+loads ``rules.yml`` and ``recording.yml``. Output is
 deterministic (sorted keys, indent 2, trailing newline), so it is committed and a test
 fails when the committed copy is out of date.
 """
@@ -17,15 +20,17 @@ from typing import Any
 
 import yaml
 
+from . import kubernetes, recording
 from .alert_cases import CASES
 from .alerting import grafana_rules, prometheus_rules, promtool_tests
 from .alerts import ALERTS
 from .gpu import GPU_BOARD
+from .jobs import JOBS_BOARD
 from .model import DATASOURCE_UID, DATASOURCE_URL, FOLDER, Board
 from .overview import OVERVIEW
 from .render import render
 
-BOARDS: tuple[Board, ...] = (OVERVIEW, GPU_BOARD)
+BOARDS: tuple[Board, ...] = (OVERVIEW, GPU_BOARD, JOBS_BOARD)
 # Where docker-compose mounts grafana/dashboards (its home dashboard points there too).
 DASHBOARDS_PATH = "/etc/grafana/dashboards"
 # The exporter job's scrape_interval in deploy/prometheus/prometheus.yml: Grafana sizes
@@ -70,6 +75,11 @@ def files() -> dict[str, str]:
     out["grafana/provisioning/alerting/alerts.yaml"] = to_yaml(grafana_rules(ALERTS))
     out["prometheus/rules.yml"] = to_yaml(prometheus_rules(ALERTS))
     out["prometheus/rules.test.yml"] = to_yaml(promtool_tests(ALERTS, CASES))
+    out["prometheus/recording.yml"] = to_yaml(recording.recording_rules())
+    out["prometheus/recording.test.yml"] = to_yaml(recording.promtool_tests())
+    out.update(kubernetes.files(
+        {b.uid: out[f"grafana/dashboards/{b.uid}.json"] for b in BOARDS},
+        prometheus_rules(ALERTS), recording.recording_rules(), FOLDER))
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from exporter import catalogue as cat
 
+from . import dcgm
 from .model import (
     BARGAUGE,
     BYTES,
@@ -54,11 +55,13 @@ summary = Row("At a glance", (
 
 utilization = Row("Utilization", (
     Panel("GPU utilization",
-          "Share of each sample period during which a kernel ran, per GPU. Good: high and "
-          "flat while training. Sawtooth or gaps line up with input stalls or evaluation; "
-          "one GPU below the others is a straggler's.",
-          RATIO, ((BY_GPU, sel(cat.GPU_UTILIZATION, GPUS)),), thresholds=UTILIZATION_BANDS,
-          max=1),
+          "Share of each sample period during which a kernel ran, per GPU (in Kubernetes, "
+          "where the sidecar has no GPU, dcgm-exporter's for the selected pods). Good: high "
+          "and flat while training. Sawtooth or gaps line up with input stalls or "
+          "evaluation; one GPU below the others is a straggler's.",
+          RATIO, ((BY_GPU, sel(cat.GPU_UTILIZATION, GPUS)),
+                  ("{{pod}} GPU {{gpu}} (dcgm-exporter)", dcgm.gpu_utilization(HOST))),
+          thresholds=UTILIZATION_BANDS, max=1),
     Panel("Memory-controller utilization",
           "Share of each sample period during which device memory was read or written. Good: "
           "it follows the kernel utilization. High with low kernel utilization is a "

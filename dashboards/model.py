@@ -19,6 +19,9 @@ DATASOURCE_URL = "http://prometheus:9090"
 FOLDER = "DataLoader"
 # The scrape job the exporter-down alert watches (Prometheus's job_name for the exporter).
 EXPORTER_JOB = "dataloader-exporter"
+# In Kubernetes the PodMonitor names `job` after the training job; the sidecar's targets
+# are told apart by their `container` label (Prometheus Operator adds it).
+EXPORTER_CONTAINER = "dataloader-exporter"
 
 # Panel kinds: Grafana's current panel types (no legacy "graph" or "singlestat").
 TIMESERIES = "timeseries"
@@ -153,3 +156,33 @@ class Case:
     series: tuple[tuple[str, str], ...]  # (series selector, promtool values notation)
     eval_time: str
     fires: tuple[tuple[tuple[str, str], ...], ...] = ()  # label sets, without severity
+
+
+# level:metric:operations, Prometheus's naming convention for recording rules.
+_RECORD = re.compile(r"[a-z][a-z0-9_]*:[a-z][a-z0-9_]*:[a-z][a-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class Recording:
+    """A recording rule: the series it records (level:metric:operations), its PromQL, and
+    what it means. Rules of one group run in order, so a rule may use earlier ones."""
+
+    record: str
+    expr: str
+    description: str
+
+    def __post_init__(self) -> None:
+        if not _RECORD.fullmatch(self.record):
+            raise ValueError(f"recording rule {self.record!r} is not level:metric:operations")
+
+
+@dataclass(frozen=True)
+class RecordCase:
+    """A promtool unit test of recording rules: input series, an evaluation time, and the
+    samples expected then, each a series selector (record name and labels) and a value.
+    Values are exact in binary (promtool compares floats exactly)."""
+
+    name: str
+    series: tuple[tuple[str, str], ...]  # (series selector, promtool values notation)
+    eval_time: str
+    samples: tuple[tuple[str, float], ...]

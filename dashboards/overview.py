@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from exporter import catalogue as cat
 
+from . import dcgm
 from .model import (
     BARGAUGE,
     BYTES,
@@ -62,11 +63,13 @@ headline = Row("Is the GPU starving?", (
           "means the input pipeline slowed down (storage, CPU contention).",
           COUNT, (("samples/s", f"sum({rate(sel(cat.SAMPLES, LOADER), W)})"),), STAT),
     Panel("GPU utilization",
-          "Mean share of time a kernel ran, over the selected instances' GPUs. Good: over "
-          "80% while training. Low utilization together with a high input stall share means "
-          "the GPU is starving for data; low utilization with a low stall share points at "
-          "the model or the step (small batches, synchronisation).",
-          RATIO, (("GPU utilization", f"avg({sel(cat.GPU_UTILIZATION, HOST)})"),), GAUGE,
+          "Mean share of time a kernel ran, over the selected instances' GPUs (from the "
+          "exporter's NVML collector, or in Kubernetes from dcgm-exporter, joined on the "
+          "pods). Good: over 80% while training. Low utilization together with a high input "
+          "stall share means the GPU is starving for data; low utilization with a low stall "
+          "share points at the model or the step (small batches, synchronisation).",
+          RATIO, (("GPU utilization", f"avg({sel(cat.GPU_UTILIZATION, HOST)}) or "
+                                      f"avg({dcgm.gpu_utilization(HOST)})"),), GAUGE,
           GPU_BANDS, 0, 1),
     Panel("Worst rank's input stall share",
           "The highest input stall share of any selected loader and rank. Good: close to the "
@@ -86,6 +89,8 @@ stall = Row("Where the time goes", (
           "fix the loader (see Input stall share). When both are low, the GPU waits on "
           "something else (communication, the host side of the step).",
           RATIO, (("GPU {{gpu}} utilization ({{instance}})", sel(cat.GPU_UTILIZATION, HOST)),
+                  ("GPU {{gpu}} utilization ({{pod}}, dcgm-exporter)",
+                   dcgm.gpu_utilization(HOST)),
                   (f"stall {BY_RANK}", stall_share(LOADER, W))), max=1),
     Panel("Fetch wait per batch",
           "How long the loop blocked in next() for each batch: p50, p95 and p99. Good: "
@@ -155,14 +160,16 @@ workers = Row("Workers and batches", (
           COUNT, ((f"active {BY_RANK}", sel(cat.WORKERS_ACTIVE, LOADER)),
                   (f"configured {BY_RANK}", sel(cat.WORKERS_CONFIGURED, LOADER)),
                   (f"lost {BY_RANK}", f"increase({sel(cat.WORKERS_LOST, LOADER)}[{W}])"))),
-    Panel("Worker busy share",
-          "Share of time each worker spent producing samples and collating. Good: below 90% "
-          "with a low stall share. Near 100% with a high stall share: the workers are the "
-          "bottleneck (add workers, make samples cheaper). Low with a high stall share: the "
-          "bottleneck is between workers and the loop (large batches through /dev/shm, "
-          "pin_memory thread, a slow collate in the main process).",
+    Panel("Worker CPU share",
+          "CPU each worker process uses, as a share of one core (wall time spent waiting "
+          "for I/O is not CPU and cannot be measured without changing the dataset). Good: "
+          "below 90% with a low stall share. Near 100% with a high stall share: the workers "
+          "are CPU-bound (add workers if cores are free, make samples cheaper). Low with a "
+          "high stall share: samples wait on storage or the network (more workers overlap "
+          "I/O), or the bottleneck is between workers and the loop (large batches through "
+          "/dev/shm, the pin_memory thread, a slow collate in the main process).",
           RATIO, (("{{loader}} rank {{rank}} worker {{worker}}",
-                   rate(sel(cat.WORKER_BUSY, LOADER), W)),),
+                   rate(sel(cat.WORKER_CPU, LOADER), W)),),
           BARGAUGE, ((None, "blue"), (0.9, "orange")), 0, 1),
     Panel("Batch bytes",
           "Tensor bytes in a recent batch. In flight through /dev/shm are about batch bytes "

@@ -14,15 +14,16 @@ from typing import Any
 import pytest
 import yaml
 
-from dashboards import build, model
+from dashboards import build, dcgm, model, recording
 from dashboards.render import render
 from exporter import catalogue as cat
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 RENDERED = {b.uid: render(b) for b in build.BOARDS}
-# Series Prometheus makes itself rather than the exporter.
-PROMETHEUS_SERIES = {"up"}
+# Series Prometheus makes itself rather than the exporter, the recording rules' series,
+# and dcgm-exporter's (joined per pod in Kubernetes).
+PROMETHEUS_SERIES = {"up", *recording.NAMES, *dcgm.NAMES}
 GRAFANA_GLOBALS = {"__rate_interval", "__interval", "__range", "__all"}
 
 # --- PromQL parsing, shared with test_alerts ------------------------------------------------
@@ -123,7 +124,9 @@ def test_every_variable_used_is_defined_and_every_defined_one_is_used() -> None:
         text = json.dumps([data["panels"], data["templating"]])
         used = set(re.findall(r"\$\{?(\w+)", text)) - GRAFANA_GLOBALS
         assert used == defined, (uid, used ^ defined)
-        assert {"datasource", "job", "instance"} <= defined
+        assert {"datasource", "job"} <= defined
+        # Boards on raw series pick instances; the jobs board reads recorded series.
+        assert ("instance" in defined) is (uid != "dataloader-jobs"), uid
 
 
 def test_overview_variables_are_datasource_job_instance_loader_and_rank_with_all() -> None:
@@ -161,7 +164,8 @@ def strings(value: Any) -> Iterator[str]:
 
 
 def test_no_placeholder_is_left_and_legends_name_real_labels() -> None:
-    labels = {label for m in cat.ALL for label in m.labels} | {"job", "instance"}
+    labels = {label for m in cat.ALL for label in m.labels} | {
+        "job", "instance", "namespace", "pod"}  # the last two from Kubernetes discovery
     for uid, data in RENDERED.items():
         for text in strings(data):
             for bad in ("None", "TODO", "FIXME", "XXX", "%s", "{}", "[]"):
@@ -195,7 +199,7 @@ def test_the_overview_has_every_panel_the_issue_asks_for() -> None:
     assert cat.GPU_UTILIZATION.name in exprs["GPU utilization and input stall share"]
     assert "max by (loader)" in exprs["Worst rank against the mean"]
     for metric in (cat.SAMPLES, cat.BATCHES, cat.FIRST_BATCH, cat.WORKERS_ACTIVE,
-                   cat.WORKERS_CONFIGURED, cat.WORKER_BUSY, cat.BATCH_BYTES, cat.SHM_USED,
+                   cat.WORKERS_CONFIGURED, cat.WORKER_CPU, cat.BATCH_BYTES, cat.SHM_USED,
                    cat.SHM_SIZE, cat.HOST_MEMORY_AVAILABLE, cat.HOST_SWAP_USED):
         assert any(metric.name in e for e in exprs.values()), metric.name
     gpu = " ".join(t["expr"] for uid, _, t in targets() if uid == "dataloader-gpu")

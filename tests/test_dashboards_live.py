@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from procs import REPO, Exporter, Prometheus
+from conftest import require_binary
+from procs import REPO, Exporter, Prometheus, scalar
 
-from dashboards import build
+from dashboards import build, recording
 from dashboards.alerts import ALERTS
 from dashboards.render import render
 from exporter import catalogue as cat
@@ -48,6 +49,7 @@ CORE_PANELS = {"Input stall share", "Fetch wait per batch", "Throughput: samples
 class Live:
     prometheus: Prometheus
     values: dict[str, str]  # dashboard variable -> its value in this run
+    address: str  # the exporter's host:port
 
     def expand(self, expr: str) -> str:
         """Substitutes the dashboard's variables as Grafana would for these selections."""
@@ -73,9 +75,9 @@ def live(tmp_path_factory: pytest.TempPathFactory, prometheus: Prometheus) -> It
         # string: 127\\.0\\.0\\.1 (a backslash, escaped).
         instance = re.escape(exporter.address).replace("\\", "\\\\")
         values = {"datasource": "", "job": "dataloader-exporter", "instance": instance,
-                  "loader": "train", "rank": "0",
+                  "loader": "train", "rank": "0", "namespace": ".*",
                   "gpu": ".*", "__rate_interval": "1m"}
-        yield Live(prometheus, values)
+        yield Live(prometheus, values, exporter.address)
     finally:
         prometheus.remove_target(TARGET)
         stop.touch()
@@ -157,3 +159,36 @@ def test_the_live_run_shows_a_sane_stall_share(live: Live) -> None:
     share = float(result[0]["value"][1])
     assert 0 < share < 1, share
     assert Path(REPO / "deploy").is_dir()
+
+
+def test_the_recording_rules_run_in_prometheus_and_agree_with_the_rank_stall_share(
+        live: Live, tmp_path: Path) -> None:
+    """A second Prometheus with the generated recording rules scrapes the same exporter:
+    every rule records (but the GPU one, without NVML here), the job's stall share of this
+    single process equals its per-rank share, and the jobs dashboard shows data."""
+    rules = tmp_path / "recording.yml"
+    rules.write_text(build.files()["prometheus/recording.yml"])
+    server = Prometheus(require_binary("prometheus"), tmp_path / "prometheus",
+                        rule_files=[str(rules)])
+    try:
+        server.add_target(TARGET, live.address)
+        server.wait_for(f'{recording.INPUT_STALL}{{job="dataloader-exporter"}}',
+                        lambda result: finite(result), timeout=40)
+        for name in recording.NAMES:
+            result = server.query(f'{name}{{job="dataloader-exporter"}}')
+            assert bool(result) is (name != recording.GPU), (name, result)
+        job = scalar(server.query(f'{recording.INPUT_STALL}{{loader="train"}}'))
+        rank = scalar(server.query(
+            f'sum by (job, loader, rank) (rate({cat.TIME.name}_sum{{phase="fetch"}}[5m])) / '
+            f'(sum by (job, loader, rank) (rate({cat.TIME.name}_sum{{phase="fetch"}}[5m])) + '
+            f'sum by (job, loader, rank) (rate({cat.STEP.name}_sum[5m])))'))
+        assert 0 < job < 1 and abs(job - rank) < 0.05, (job, rank)
+        jobs = next(b for b in build.BOARDS if b.uid == "dataloader-jobs")
+        shown = Live(server, live.values, live.address)
+        for panel in render(jobs)["panels"]:
+            for target in panel.get("targets", []):
+                result = server.query(shown.expand(target["expr"]))
+                if "GPU" not in panel["title"]:
+                    assert finite(result), (panel["title"], target["expr"])
+    finally:
+        server.stop()

@@ -1,0 +1,76 @@
+"""The "DataLoader jobs" dashboard: every training job of the cluster at a glance.
+
+It reads only the recording rules' series (dashboards.recording), a handful per job and
+loader, so it stays fast with thousands of ranks; open the DataLoader overview for one
+job's ranks, workers and memory.
+"""
+
+from __future__ import annotations
+
+from . import recording as r
+from .model import BARGAUGE, COUNT, RATIO, SECONDS, Board, Panel, Row, Step, Variable
+
+JOBS = 'namespace=~"$namespace",job=~"$job",loader=~"$loader"'
+BY_JOB = "{{namespace}} {{job}} {{loader}}"
+STALL_BANDS: tuple[Step, ...] = ((None, "green"), (0.05, "yellow"), (0.2, "red"))
+GPU_BANDS: tuple[Step, ...] = ((None, "red"), (0.6, "yellow"), (0.8, "green"))
+WINDOW_NOTE = " Recorded over 5-minute windows by Prometheus's recording rules."
+
+
+def rec(name: str, matchers: str = JOBS) -> str:
+    return f"{name}{{{matchers}}}"
+
+
+glance = Row("Which jobs starve?", (
+    Panel("Input stall share by job",
+          "Each job's input stall share now: the worst rank's fetch wait per batch over the "
+          "common batch period (in synchronous data parallel every rank waits for the "
+          "slowest). Good: under 5%. Over 20% the job is input-bound: open the DataLoader "
+          "overview for that job to see which rank and why." + WINDOW_NOTE,
+          RATIO, ((BY_JOB, rec(r.INPUT_STALL)),), BARGAUGE, STALL_BANDS, 0, 1),
+    Panel("GPU utilization by job",
+          "Mean utilization of each job's GPUs now: dcgm-exporter's, joined on the pods "
+          "(Kubernetes), or the sidecar's NVML collector's. Good: over 80% while training. "
+          "Low with a high input stall share: the GPUs wait for data.",
+          RATIO, (("{{namespace}} {{job}}",
+                   rec(r.GPU, 'namespace=~"$namespace",job=~"$job"')),),
+          BARGAUGE, GPU_BANDS, 0, 1),
+))
+
+trends = Row("Over time", (
+    Panel("Input stall share",
+          "Each job's input stall share over time. Good: flat and under 5%. Spikes at "
+          "regular intervals are epoch starts (persistent_workers=True) or evaluation." +
+          WINDOW_NOTE,
+          RATIO, ((BY_JOB, rec(r.INPUT_STALL)),), thresholds=STALL_BANDS, max=1),
+    Panel("Worst rank's fetch wait against the batch period",
+          "Per job and loader: the slowest rank's wait for a batch, and the wall time of a "
+          "batch (fetch wait plus step). Good: the wait a small part of the period. The "
+          "wait close to the period means the step waits on input.",
+          SECONDS, ((f"wait {BY_JOB}", rec(r.FETCH_PER_BATCH)),
+                    (f"period {BY_JOB}", rec(r.BATCH_PERIOD)))),
+    Panel("Samples per second",
+          "Samples each job's ranks hand to their loops per second, together. Good: steady. "
+          "A drop with a rising stall share is the input pipeline (storage, CPU).",
+          COUNT, ((BY_JOB, rec(r.SAMPLES)),)),
+    Panel("Ranks reporting and workers lost",
+          "Ranks whose loader reports, and DataLoader workers lost in the last 5 minutes. "
+          "Good: ranks constant for the job's life, no workers lost. Lost workers are "
+          "usually the OOM killer or a full /dev/shm.",
+          COUNT, ((f"ranks {BY_JOB}", rec(r.RANKS)),
+                  (f"workers lost {BY_JOB}", rec(r.WORKERS_LOST)))),
+))
+
+JOBS_BOARD = Board(
+    uid="dataloader-jobs",
+    title="DataLoader jobs",
+    description="Every training job's input stall, throughput and GPU utilization, from "
+                "the recording rules that aggregate across ranks.",
+    variables=(
+        Variable("datasource", "Data source"),
+        Variable("namespace", "Namespace", r.RANKS),
+        Variable("job", "Job", rec(r.RANKS, 'namespace=~"$namespace"')),
+        Variable("loader", "Loader", rec(r.RANKS, 'namespace=~"$namespace",job=~"$job"')),
+    ),
+    rows=(glance, trends),
+)
