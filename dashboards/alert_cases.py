@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from exporter import catalogue as cat
 
+from . import dcgm
 from .model import EXPORTER_CONTAINER, EXPORTER_JOB, Case
 from .promql import sel
 
@@ -70,6 +71,16 @@ def memory(available: int, swap: str) -> tuple[tuple[str, str], ...]:
 
 IDLE_GPU = (s(cat.GPU_UTILIZATION, "0.3x30", **GPU0),)
 BUSY_GPU = (s(cat.GPU_UTILIZATION, "0.9x30", **GPU0),)
+# Kubernetes: the sidecar has no NVML; dcgm-exporter labels the pod's GPU (in percent).
+POD_LOADER = {**POD, "job": "llm", "container": "dataloader-exporter", "loader": "train",
+              "rank": "0"}
+POD_STALL = (s(cat.TIME, "0+30x30", "_sum", **POD_LOADER, phase=cat.PHASE_FETCH),
+             s(cat.STEP, "0+30x30", "_sum", **POD_LOADER))
+
+
+def dcgm_gpu(percent: int) -> tuple[tuple[str, str], ...]:
+    labels = f'gpu="0",job="dcgm-exporter",namespace="{POD["namespace"]}",pod="{POD["pod"]}"'
+    return ((f"{dcgm.GPU_UTIL}{{{labels}}}", f"{percent}x30"),)
 
 CASES: tuple[Case, ...] = (
     Case("DataLoaderInputBound", "fires when the loop waits half the time and the GPU idles",
@@ -79,6 +90,10 @@ CASES: tuple[Case, ...] = (
     Case("DataLoaderInputBound", "stays quiet while the GPU is busy anyway",
          stall(30) + BUSY_GPU, "15m"),
     Case("DataLoaderInputBound", "stays quiet at a 9% stall share", stall(3) + IDLE_GPU, "15m"),
+    Case("DataLoaderInputBound", "stays quiet in Kubernetes while dcgm-exporter shows the "
+         "pod's GPU busy", POD_STALL + dcgm_gpu(90), "15m"),
+    Case("DataLoaderInputBound", "fires in Kubernetes while dcgm-exporter shows the pod's "
+         "GPU idle", POD_STALL + dcgm_gpu(30), "15m", fires(POD_LOADER)),
 
     Case("DataLoaderEpochStartStall", "fires when an epoch's first batch takes 30 s",
          first_batch(30), "15m", fires(LOADER)),

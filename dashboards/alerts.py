@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from exporter import catalogue as cat
 
+from . import dcgm
 from .model import CRITICAL, EXPORTER_CONTAINER, EXPORTER_JOB, WARNING, Alert
 from .promql import quantile, ratio, sel, stall_share
 
@@ -28,11 +29,14 @@ ALERTS: tuple[Alert, ...] = (
     Alert(
         "DataLoaderInputBound",
         f"({stall_share('', WINDOW)} > 0.2) unless on (job, instance) "
-        f"(avg by (job, instance) ({sel(cat.GPU_UTILIZATION)}) >= 0.6)",
+        f"(avg by (job, instance) ({sel(cat.GPU_UTILIZATION)}) >= 0.6) "
+        f"unless on (namespace, pod) (avg by (namespace, pod) ({dcgm.pod_utilization()}) "
+        ">= 0.6)",
         "10m", WARNING,
         f"Input-bound: {LOADER} waits for data over 20% of the time",
         "The training loop spent over 20% of its time waiting for batches for 10 minutes"
-        " (and, where GPU metrics exist, the instance's GPUs were under 60% busy): the GPU"
+        " (and, where GPU metrics exist, the instance's GPUs, or in Kubernetes the pod's"
+        " GPUs as dcgm-exporter sees them, were under 60% busy): the GPU"
         " is starving. Fix: raise num_workers (up to the physical cores), set"
         " pin_memory=True and persistent_workers=True, raise prefetch_factor, and make"
         " __getitem__ cheaper (decode or augment less, cache decoded samples, move"

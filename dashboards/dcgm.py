@@ -22,6 +22,12 @@ GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
 NAMES = (GPU_UTIL,)
 
 
+def pod_utilization() -> str:
+    """dcgm-exporter's utilization as a 0-1 ratio per GPU of a pod (unallocated GPUs,
+    which carry no pod, left out)."""
+    return f'{GPU_UTIL}{{pod!=""}} / 100'
+
+
 def gpu_utilization(matchers: str) -> str:
     """dcgm-exporter's utilization as a 0-1 ratio per GPU, kept only for the pods whose
     sidecar serves series `matchers` selects (GPUs of other pods drop out)."""

@@ -186,3 +186,4 @@ class RecordCase:
     series: tuple[tuple[str, str], ...]  # (series selector, promtool values notation)
     eval_time: str
     samples: tuple[tuple[str, float], ...]
+    absent: tuple[str, ...] = ()  # records that must have no sample then (unknown, not 0)

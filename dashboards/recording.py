@@ -52,13 +52,15 @@ RULES: tuple[Recording, ...] = (
               "Seconds per second each rank spent in the step, outside the loader."),
     Recording(RANK_BATCHES, f"sum by ({RANK}) ({_rate(cat.BATCHES)})",
               "Batches per second each rank handed to its loop."),
-    Recording(FETCH_PER_BATCH, f"max by ({JOB}) ({FETCH_RATE} / {RANK_BATCHES})",
+    # Ranks that handed out no batch in the window have no per-batch figures (0/0 is
+    # unknown, not a value): they drop out here rather than record NaN.
+    Recording(FETCH_PER_BATCH, f"max by ({JOB}) ({FETCH_RATE} / ({RANK_BATCHES} > 0))",
               "The worst rank's fetch wait per batch: the rank every other one waits for."),
     Recording(BATCH_PERIOD,
-              f"max by ({JOB}) (({FETCH_RATE} + {STEP_RATE}) / {RANK_BATCHES})",
+              f"max by ({JOB}) (({FETCH_RATE} + {STEP_RATE}) / ({RANK_BATCHES} > 0))",
               "Wall time per batch (fetch wait plus step), the slowest rank's; in "
               "synchronous data parallel the ranks share it."),
-    Recording(INPUT_STALL, f"{FETCH_PER_BATCH} / {BATCH_PERIOD}",
+    Recording(INPUT_STALL, f"{FETCH_PER_BATCH} / ({BATCH_PERIOD} > 0)",
               "The job's input stall share: the worst rank's fetch wait per batch over the "
               "common batch period, 0 to 1."),
     Recording(SAMPLES, f"sum by ({JOB}) ({_rate(cat.SAMPLES)})",
@@ -127,6 +129,12 @@ CASES: tuple[RecordCase, ...] = (
          _out(BATCHES, 16, **K8S), _out(BATCHES, 8, **EVAL),
          _out(RANKS, 2, **K8S), _out(RANKS, 1, **EVAL))),
     RecordCase(
+        "an idle loader (no batch in the window, an evaluation loader between passes) has "
+        "no per-batch figures and no stall share: unknown, never NaN",
+        _rank(0, 0, 0, {"rank": "0", "pod": "eval-0", **EVAL}), "10m",
+        (_out(BATCHES, 0, **EVAL), _out(RANKS, 1, **EVAL)),
+        absent=(FETCH_PER_BATCH, BATCH_PERIOD, INPUT_STALL)),
+    RecordCase(
         "lost workers per job and loader",
         (_s(cat.WORKERS_LOST, "0+1x10", instance="llm-0:9478", pod="llm-0", rank="0", **K8S),
          _s(cat.WORKERS_LOST, "0x10", instance="llm-1:9478", pod="llm-1", rank="1", **K8S)),
@@ -173,6 +181,8 @@ def promtool_tests(cases: Sequence[RecordCase] = CASES,
             "input_series": [{"series": s, "values": v} for s, v in case.series],
             "promql_expr_test": [{"expr": record, "eval_time": case.eval_time,
                                   "exp_samples": samples}
-                                 for record, samples in by_record.items()],
+                                 for record, samples in by_record.items()] +
+                                [{"expr": record, "eval_time": case.eval_time,
+                                  "exp_samples": []} for record in case.absent],
         })
     return {"rule_files": [rule_file], "evaluation_interval": "1m", "tests": tests}

@@ -9,6 +9,7 @@ appends and a few integer updates.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import weakref
@@ -100,16 +101,19 @@ class _Instruments:
         try:
             rec.batch_bytes = batch_nbytes(batch)
             self.preflight.on_first_batch(self.config, rec.batch_bytes)
-        except Exception:
+        except Exception as e:
+            reraise_torch_worker_error(e)
             log.debug("first-batch preflight failed", exc_info=True)
 
-    def end(self, clean: bool, gen: int) -> None:
-        """The iterator ended: StopIteration (clean) or an exception."""
-        rec = self.rec
-        if not clean:
-            rec.workers.refresh(0.0, on_error=True)
-        elif gen and not self.config.persistent_workers:
-            rec.workers.stop(gen)  # torch has shut these workers down on purpose
+    def end(self, gen: int) -> None:
+        """The iterator is exhausted (StopIteration)."""
+        if gen and not self.config.persistent_workers:
+            self.rec.workers.stop(gen)  # torch has shut these workers down on purpose
+        self.hub.flush_now()
+
+    def error(self) -> None:
+        """The iterator raised (the loop may catch it and go on): a worker gone now is lost."""
+        self.rec.workers.refresh(0.0, on_error=True)
         self.hub.flush_now()
 
     def to_device(self, batch: Any, device: Any, non_blocking: bool) -> Any:
@@ -134,6 +138,13 @@ class _Instruments:
             rec.transfer.append(perf_counter_ns() - t0)
         rec.transfer_bytes += nbytes
         return out
+
+
+def reraise_torch_worker_error(e: Exception) -> None:
+    """torch's SIGCHLD handler raises a dead worker's error wherever the main thread is;
+    one that lands in our bookkeeping goes on to the loop, as it would without us."""
+    if isinstance(e, RuntimeError) and str(e).startswith("DataLoader worker"):
+        raise e
 
 
 class TimedIterator:
@@ -161,7 +172,7 @@ class TimedIterator:
             self._finish(True)
             raise
         except Exception:
-            self._finish(False)
+            self._finish(False)  # not the end: a loop may skip a bad batch and go on
             raise
         t1 = perf_counter_ns()
         rec = self._rec
@@ -177,17 +188,22 @@ class TimedIterator:
             rec.samples += batch_len(batch)
             if not rec.batches % BYTES_EVERY:
                 rec.batch_bytes = batch_nbytes(batch)
-        except Exception:
-            pass
+        except Exception as e:
+            reraise_torch_worker_error(e)
         return batch
 
     def _finish(self, clean: bool) -> None:
-        if not self._done:
-            self._done = True
-            try:
-                self._owner.end(clean, self._gen)
-            except Exception:
-                log.debug("metrics bookkeeping failed at end of epoch", exc_info=True)
+        if clean and self._done:
+            return
+        self._done = self._done or clean
+        try:
+            if clean:
+                self._owner.end(self._gen)
+            else:
+                self._owner.error()
+        except Exception as e:
+            reraise_torch_worker_error(e)
+            log.debug("metrics bookkeeping failed at the end of an epoch", exc_info=True)
 
     def __len__(self) -> int:
         return len(self._it)
@@ -214,6 +230,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.name = name
         self.metrics_dir = metrics_dir
         self.port = port
+        self.registry = registry  # an attribute, so frameworks that rebuild loaders keep it
         self._dle = _Instruments(name, registry, metrics_dir, port)
 
     def __iter__(self) -> Any:
@@ -240,14 +257,31 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """Moves a (nested) batch to `device` and times the transfer (see instrument.to_device)."""
         return self._dle.to_device(batch, device, non_blocking)
 
+    # A pickled loader (sent to another process) uses that process's default registry; a
+    # copy in this process keeps its registry.
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_dle", None)
+        state.pop("registry", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.__dict__["_dle"] = _Instruments(self.name, None, self.metrics_dir, self.port)
+        self.__dict__.setdefault("registry", None)
+        self.__dict__["_dle"] = _Instruments(self.name, self.registry, self.metrics_dir,
+                                             self.port)
+
+    def __copy__(self) -> DataLoader[T_co]:
+        new = type(self).__new__(type(self))
+        new.__setstate__(self.__getstate__() | {"registry": self.registry})
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DataLoader[T_co]:
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        state = copy.deepcopy(self.__getstate__(), memo)
+        new.__setstate__(state | {"registry": self.registry})
+        return new
 
 
 class WrappedLoader:

@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 from exporter import catalogue as cat
 from exporter.collectors.base import family
 
-from .workers import WorkerTracker
+from .tracker import WorkerTracker
 
 # Durations kept per queue between two reads (snapshot writes or scrapes, normally every
 # second): 131072 batches of a few microseconds each, about 1 MB per queue at most.

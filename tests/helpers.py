@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import subprocess
 import time
@@ -135,6 +136,16 @@ def parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return parse(generate_latest(registry).decode())
+
+
+_clock = itertools.count(10**9, 10)  # an injected clock: each check 10 s after the last
+
+
+def refreshes(loader: Any, n: int = 3) -> None:
+    """n worker-liveness checks of an instrumented loader, each past the one-second
+    interval, so that a worker seen dead would be counted."""
+    for _ in range(n):
+        loader._dle.rec.flush(now=float(next(_clock)))
 
 
 def wait_for_write(writer: Any, timeout: float = 5.0) -> bool:

@@ -400,6 +400,12 @@ def test_the_example_is_an_indexed_torchrun_job_with_its_headless_service(
     assert args["--master-addr"] == f"{name}-0.{svc}"
     assert int(args["--master-port"]) == service["spec"]["ports"][0]["port"] == \
         named(trainer["ports"], "rendezvous")["containerPort"]
+    # The first matching rule decides: an evicted trainer (non-zero exit after SIGTERM) must
+    # meet the Ignore rule for disruptions before the rule that fails the Job.
+    actions = [r["action"] for r in spec["podFailurePolicy"]["rules"]]
+    assert actions.index("Ignore") < actions.index("FailJob")
+    ignore = spec["podFailurePolicy"]["rules"][actions.index("Ignore")]
+    assert ignore["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
 
 
 def test_the_component_patches_pytorchjob_replicas_and_keeps_what_is_there(

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from helpers import BurnDataset, SleepDataset, scrape, value
+from helpers import BurnDataset, SleepDataset, refreshes, scrape, value
 from prometheus_client import CollectorRegistry
 
 import instrument
@@ -161,8 +161,10 @@ def test_workers_active_drops_to_zero_when_non_persistent_workers_finish(
         registry: CollectorRegistry) -> None:
     loader = instrument.DataLoader(SleepDataset(4), batch_size=1, num_workers=2,
                                    name="t", registry=registry)
-    for _ in loader:
+    it = iter(loader)
+    for _ in it:
         pass
+    refreshes(loader)  # the exhausted iterator still held, its workers shut down by torch
     assert value(registry, cat.WORKERS_ACTIVE.name, **L) == 0
     assert value(registry, cat.WORKERS_LOST.name, **L) == 0
 

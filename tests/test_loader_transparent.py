@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 import typing
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from helpers import (
     SleepDataset,
     WhoAmI,
     WhoAmIIterable,
+    refreshes,
     scrape,
     value,
 )
@@ -120,7 +122,9 @@ def test_break_mid_epoch_then_a_full_epoch_works(registry: CollectorRegistry,
     for i, _ in enumerate(ours):
         if i == 1:
             break
+    refreshes(ours)
     assert batches(ours) == batches(bare)
+    refreshes(ours)
     assert value(registry, cat.BATCHES.name, loader="t", rank="0") == 2 + 4
     assert value(registry, cat.WORKERS_LOST.name, loader="t", rank="0") == 0
 
@@ -173,6 +177,21 @@ def test_worker_init_fn_sees_the_users_dataset_object(registry: CollectorRegistr
     loader = instrument.DataLoader(OffsetDataset(4), batch_size=1, num_workers=2, name="t",
                                    registry=registry, worker_init_fn=_seed_worker)
     assert sorted(int(x[0][0]) for x, _ in loader) == [1000, 1001, 1002, 1003]
+
+
+def test_copies_keep_the_registry_and_a_pickled_loader_takes_the_default_one(
+        registry: CollectorRegistry) -> None:
+    loader = instrument.DataLoader(SleepDataset(4), batch_size=2, name="c", registry=registry)
+    for dup in (copy.copy(loader), copy.deepcopy(loader)):
+        assert isinstance(dup, instrument.DataLoader) and dup.registry is registry
+        assert batches(dup) == batches(loader)
+    # Two copies, each side by side with the original: four epochs of two batches, all here.
+    assert value(registry, cat.BATCHES.name, loader="c", rank="0") == 4 * 2
+    sent = pickle.loads(pickle.dumps(loader))  # to another process: its own default
+    assert sent.registry is None
+    for _ in sent:
+        pass
+    assert value(instrument.default_registry(), cat.BATCHES.name, loader="c", rank="0") == 2
 
 
 def test_a_pickled_loader_unpickles_and_iterates_the_same(registry: CollectorRegistry) -> None:

@@ -7,10 +7,13 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import pytest
-from helpers import SleepDataset, value
+import torch
+from helpers import FailingDataset, SleepDataset, refreshes, value
 from prometheus_client import CollectorRegistry
+from torch.utils.data import IterableDataset
 
 import instrument
 from exporter import catalogue as cat
@@ -74,3 +77,85 @@ def test_workers_that_exit_cleanly_are_not_counted_as_lost(
         loader._dle.rec.flush(now=1e12 + _)
     assert value(registry, cat.WORKERS_LOST.name, **L) == 0
     assert value(registry, cat.WORKERS_ACTIVE.name, **L) == 0
+
+
+class UnevenShards(IterableDataset):  # type: ignore[type-arg]
+    """Worker 0's shard ends after 2 items, worker 1's after 12: torch tells worker 0 to
+    exit mid-epoch, on purpose."""
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        wid = 0 if info is None else info.id
+        for i in range(2 if wid == 0 else 12):
+            if wid:
+                time.sleep(0.02)
+            yield torch.tensor([wid, i])
+
+
+def test_a_worker_whose_shard_ran_out_has_finished_and_is_not_lost(
+        registry: CollectorRegistry) -> None:
+    loader = instrument.DataLoader(UnevenShards(), batch_size=None, num_workers=2, name="t",
+                                   registry=registry)
+    bare = torch.utils.data.DataLoader(UnevenShards(), batch_size=None, num_workers=2)
+    items = []
+    for x in loader:
+        items.append(x.tolist())
+        refreshes(loader, 1)  # a liveness check at every batch, worker 0 gone for most
+    assert sorted(items) == sorted(x.tolist() for x in bare)
+    refreshes(loader)
+    assert value(registry, cat.WORKERS_LOST.name, **L) == 0
+
+
+def test_a_bad_batch_the_loop_skips_loses_no_worker(registry: CollectorRegistry) -> None:
+    def skip_bad(loader: Any) -> tuple[list[Any], Any]:
+        got, it = [], iter(loader)
+        while True:  # the usual "skip what fails" loop
+            try:
+                got.append(next(it)[1].tolist())
+            except StopIteration:
+                return got, it
+            except ValueError:
+                continue
+
+    bare = torch.utils.data.DataLoader(FailingDataset(8, bad=3), batch_size=2, num_workers=2)
+    loader = instrument.DataLoader(FailingDataset(8, bad=3), batch_size=2, num_workers=2,
+                                   name="t", registry=registry)
+    (mine, held), (theirs, _) = skip_bad(loader), skip_bad(bare)
+    assert mine == theirs
+    refreshes(loader)  # the exhausted iterator is still held: its workers are still known
+    assert value(registry, cat.WORKERS_LOST.name, **L) == 0
+    assert value(registry, cat.WORKERS_ACTIVE.name, **L) == 0
+    del held
+
+
+def test_a_collection_during_a_scrape_never_counts_a_generation_twice(
+        registry: CollectorRegistry) -> None:
+    # The iterator dies in a reference cycle, so the cyclic collector frees it: let that
+    # happen at every allocation count in turn while a scrape reads the figures.
+    loader = instrument.DataLoader(SleepDataset(4), batch_size=2, num_workers=1, name="t",
+                                   registry=registry)
+    tracker = loader._dle.rec.workers
+
+    def samples() -> int:
+        return sum(n for _, _, n, _ in tracker.per_worker())
+
+    threshold = gc.get_threshold()
+    try:
+        for k in range(40):
+            it = iter(loader)
+            for _ in it:
+                pass
+            gc.collect()
+            before = samples()
+            holder: dict[str, Any] = {"it": it}
+            holder["self"] = holder
+            del it, holder
+            gc.set_threshold(40)
+            prime = [[] for _ in range(k)]
+            during = samples()
+            gc.set_threshold(*threshold)
+            gc.collect()
+            assert during == before == samples(), (k, before, during, samples())
+            del prime
+    finally:
+        gc.set_threshold(*threshold)

@@ -1,0 +1,192 @@
+"""Liveness and per-worker totals of one loader name's worker processes, off the hot path.
+
+A generation is one torch iterator's workers: their shared-memory block (workers.py; None
+for wrapped loaders) and their pids. It is watched while its workers should be alive,
+and folded into per-worker totals, its block released, once torch's iterator is collected
+(torch has shut the workers down by then). The finalizer only queues the generation: the
+fold happens at the next locked call, so a garbage collection inside a locked call (a
+scrape, say) cannot count a generation twice.
+
+A watched worker that is gone counts as lost only when that is known: it was killed or
+exited non-zero (read without reaping it: waitid with WNOWAIT, the check torch's own
+SIGCHLD handler makes, or a zombie's /proc stat), or it is gone when the loader raised.
+A worker that exits 0 has finished on purpose (an IterableDataset shard ran out, torch
+shut it down).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import deque
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+from .workers import CPU, HEARTBEAT, PID, SAMPLES
+
+CLEAN, FAILED = "clean", "failed"
+
+
+def exit_status(pid: int) -> str | None:
+    """How a dead process ended, CLEAN or FAILED, without reaping it; None when unknown."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError):
+        info = None
+    else:
+        if info is None or info.si_pid == 0:
+            return None  # still running
+        return CLEAN if info.si_code == os.CLD_EXITED and info.si_status == 0 else FAILED
+    try:  # not our child (forkserver): a zombie still shows its exit code (Linux >= 3.5)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    if len(fields) < 50 or fields[0] != b"Z":
+        return None
+    return CLEAN if int(fields[49]) == 0 else FAILED
+
+
+class _Generation:
+    __slots__ = ("block", "pids", "watched")
+
+    def __init__(self, block: torch.Tensor | None, pids: list[int]) -> None:
+        self.block = block
+        self.pids = set(pids)
+        self.watched = True
+
+    def all_pids(self) -> set[int]:
+        pids = set(self.pids)
+        if self.block is not None:
+            pids.update(int(p) for p in self.block.numpy()[:, PID] if p)
+        return pids
+
+
+class WorkerTracker:
+    """Live workers, lost workers and per-worker totals for one (loader, rank)."""
+
+    def __init__(self, min_interval: float = 1.0) -> None:
+        self.min_interval = min_interval
+        self.active: int | None = 0
+        self.lost = 0
+        self._lock = threading.Lock()
+        self._live: dict[int, _Generation] = {}
+        self._collected: deque[int] = deque()  # generations whose iterator is gone
+        self._done: set[int] = set()  # pids that ended, lost or not: never counted again
+        self._ids = 0
+        self._cpu = np.zeros(0, dtype=np.int64)
+        self._samples = np.zeros(0, dtype=np.int64)
+        self._beat = np.zeros(0, dtype=np.int64)
+        self._procs: dict[int, psutil.Process] = {}
+        self._next = 0.0
+
+    # --- fed by the loader ------------------------------------------------------------
+    def start(self, iterator: Any, block: torch.Tensor | None, pids: list[int]) -> int:
+        """Watches a new (weak-referenceable) iterator's workers until it is collected."""
+        with self._lock:
+            self._fold_collected()
+            self._ids += 1
+            key = self._ids
+            self._live[key] = _Generation(block, [p for p in pids if p])
+            self._next = 0.0
+        weakref.finalize(iterator, self._collected.append, key)  # no lock: see the docstring
+        return key
+
+    def stop(self, key: int) -> None:
+        """Its workers ended on purpose (the end of a non-persistent epoch): stop watching."""
+        with self._lock:
+            self._fold_collected()
+            gen = self._live.get(key)
+            if gen is not None:
+                gen.watched = False
+                for pid in gen.all_pids():
+                    self._procs.pop(pid, None)
+
+    def _fold_collected(self) -> None:
+        """Folds the generations whose iterator is gone into the totals (lock held)."""
+        while self._collected:
+            gen = self._live.pop(self._collected.popleft(), None)
+            if gen is None:
+                continue
+            for pid in gen.all_pids():
+                self._procs.pop(pid, None)
+                self._done.discard(pid)
+            if gen.block is not None:
+                arr = gen.block.numpy()
+                n = arr.shape[0]
+                self._grow(n)
+                self._cpu[:n] += arr[:, CPU]
+                self._samples[:n] += arr[:, SAMPLES]
+                np.maximum(self._beat[:n], arr[:, HEARTBEAT], out=self._beat[:n])
+
+    def _grow(self, n: int) -> None:
+        if self._cpu.shape[0] < n:
+            grow = np.zeros(n - self._cpu.shape[0], dtype=np.int64)
+            self._cpu = np.concatenate([self._cpu, grow])
+            self._samples = np.concatenate([self._samples, grow])
+            self._beat = np.concatenate([self._beat, grow])
+
+    # --- read by the collector ---------------------------------------------------------
+    def refresh(self, now: float, on_error: bool = False) -> None:
+        """Re-counts live workers, at most once per min_interval unless on_error (the
+        loader raised: a worker gone now was lost, whatever its exit)."""
+        with self._lock:
+            self._fold_collected()
+            if not on_error and now < self._next:
+                return
+            self._next = now + self.min_interval
+            watched = [g for g in self._live.values() if g.watched]
+            known: set[int] = set().union(*(g.all_pids() for g in watched))
+            if watched and not known:
+                self.active = None  # workers exist, but none can be seen yet
+                return
+            alive = 0
+            for pid in known - self._done:
+                if self._alive(pid):
+                    alive += 1
+                    continue
+                how = exit_status(pid)
+                if how == FAILED or on_error:
+                    self.lost += 1
+                if how is not None or on_error:
+                    self._done.add(pid)
+                    self._procs.pop(pid, None)
+            self.active = alive
+
+    def _alive(self, pid: int) -> bool:
+        proc = self._procs.get(pid)
+        try:
+            if proc is None:
+                proc = self._procs[pid] = psutil.Process(pid)
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def per_worker(self) -> list[tuple[int, int, int, int]]:
+        """(worker, cpu_ns, samples, heartbeat_ns) per worker index that has reported."""
+        with self._lock:
+            self._fold_collected()
+            blocks = [g.block for g in self._live.values() if g.block is not None]
+            width = max([self._cpu.shape[0], *(b.shape[0] for b in blocks)])
+            if not width:
+                return []
+            cpu = np.zeros(width, dtype=np.int64)
+            samples = np.zeros(width, dtype=np.int64)
+            beat = np.zeros(width, dtype=np.int64)
+            n = self._cpu.shape[0]
+            cpu[:n] += self._cpu
+            samples[:n] += self._samples
+            beat[:n] = self._beat
+            for block in blocks:
+                arr = block.numpy()
+                m = arr.shape[0]
+                cpu[:m] += arr[:, CPU]
+                samples[:m] += arr[:, SAMPLES]
+                np.maximum(beat[:m], arr[:, HEARTBEAT], out=beat[:m])
+            # A worker that has not finished a batch yet has no figures: none are made up.
+            return [(i, int(cpu[i]), int(samples[i]), int(beat[i])) for i in range(width)
+                    if beat[i]]
