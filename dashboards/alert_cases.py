@@ -12,7 +12,7 @@ from exporter import catalogue as cat
 
 from . import dcgm
 from .model import EXPORTER_CONTAINER, EXPORTER_JOB, Case
-from .promql import sel
+from .promql import sel, selector
 
 HOST = {"job": EXPORTER_JOB, "instance": "trainer-0:9478"}
 LOADER = {**HOST, "loader": "train", "rank": "0"}
@@ -79,8 +79,8 @@ POD_STALL = (s(cat.TIME, "0+30x30", "_sum", **POD_LOADER, phase=cat.PHASE_FETCH)
 
 
 def dcgm_gpu(percent: int) -> tuple[tuple[str, str], ...]:
-    labels = f'gpu="0",job="dcgm-exporter",namespace="{POD["namespace"]}",pod="{POD["pod"]}"'
-    return ((f"{dcgm.GPU_UTIL}{{{labels}}}", f"{percent}x30"),)
+    return ((selector(dcgm.GPU_UTIL, gpu="0", job="dcgm-exporter", namespace=POD["namespace"],
+                      pod=POD["pod"]), f"{percent}x30"),)
 
 CASES: tuple[Case, ...] = (
     Case("DataLoaderInputBound", "fires when the loop waits half the time and the GPU idles",

@@ -21,12 +21,16 @@ BY_RANK = "{{loader}} rank {{rank}}"
 BY_GPU = "{{instance}} GPU {{gpu}}"
 
 
-def sel(metric: cat.Metric, matchers: str = "", suffix: str = "", **labels: str) -> str:
-    """A series selector: the catalogue name (plus _sum/_count/_bucket) and matchers."""
+def selector(name: str, matchers: str = "", **labels: str) -> str:
+    """A series selector for any name (a recorded series, another exporter's metric)."""
     parts = [matchers] if matchers else []
     parts += [f'{k}="{v}"' for k, v in sorted(labels.items())]
-    name = metric.name + suffix
     return f"{name}{{{','.join(parts)}}}" if parts else name
+
+
+def sel(metric: cat.Metric, matchers: str = "", suffix: str = "", **labels: str) -> str:
+    """A series selector: the catalogue name (plus _sum/_count/_bucket) and matchers."""
+    return selector(metric.name + suffix, matchers, **labels)
 
 
 def rate(selector: str, window: str) -> str:

@@ -20,7 +20,7 @@ from exporter import catalogue as cat
 
 from .dcgm import GPU_UTIL, gpu_utilization_by_job
 from .model import RecordCase, Recording
-from .promql import sel
+from .promql import sel, selector
 
 GROUP = "dataloader-recording"
 WINDOW = "5m"
@@ -83,14 +83,12 @@ NAMES = tuple(r.record for r in RULES)
 def _s(metric: cat.Metric | str, values: str, suffix: str = "", **labels: str
        ) -> tuple[str, str]:
     if isinstance(metric, str):
-        body = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        return f"{metric}{{{body}}}", values
+        return selector(metric, **labels), values
     return sel(metric, "", suffix, **labels), values
 
 
 def _out(record: str, value: float, **labels: str) -> tuple[str, float]:
-    body = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    return f"{record}{{{body}}}", value
+    return selector(record, **labels), value
 
 
 def _rank(fetch: float, step: float, batches: float, labels: dict[str, str],
@@ -173,9 +171,9 @@ def promtool_tests(cases: Sequence[RecordCase] = CASES,
     tests = []
     for case in cases:
         by_record: dict[str, list[dict[str, Any]]] = {}
-        for selector, value in case.samples:
-            by_record.setdefault(selector.split("{")[0], []).append(
-                {"labels": selector, "value": value})
+        for series, value in case.samples:
+            by_record.setdefault(series.split("{")[0], []).append(
+                {"labels": series, "value": value})
         tests.append({
             "name": case.name, "interval": "1m",
             "input_series": [{"series": s, "values": v} for s, v in case.series],

@@ -51,6 +51,15 @@ def exit_status(pid: int) -> str | None:
     return CLEAN if int(fields[49]) == 0 else FAILED
 
 
+def _add(block: torch.Tensor, cpu: np.ndarray, samples: np.ndarray, beat: np.ndarray) -> None:
+    """Adds a block's rows into per-worker totals (CPU and samples summed, latest beat)."""
+    arr = block.numpy()
+    n = arr.shape[0]
+    cpu[:n] += arr[:, CPU]
+    samples[:n] += arr[:, SAMPLES]
+    np.maximum(beat[:n], arr[:, HEARTBEAT], out=beat[:n])
+
+
 class _Generation:
     __slots__ = ("block", "pids", "watched")
 
@@ -116,19 +125,13 @@ class WorkerTracker:
                 self._procs.pop(pid, None)
                 self._done.discard(pid)
             if gen.block is not None:
-                arr = gen.block.numpy()
-                n = arr.shape[0]
-                self._grow(n)
-                self._cpu[:n] += arr[:, CPU]
-                self._samples[:n] += arr[:, SAMPLES]
-                np.maximum(self._beat[:n], arr[:, HEARTBEAT], out=self._beat[:n])
-
-    def _grow(self, n: int) -> None:
-        if self._cpu.shape[0] < n:
-            grow = np.zeros(n - self._cpu.shape[0], dtype=np.int64)
-            self._cpu = np.concatenate([self._cpu, grow])
-            self._samples = np.concatenate([self._samples, grow])
-            self._beat = np.concatenate([self._beat, grow])
+                n = gen.block.shape[0]
+                if self._cpu.shape[0] < n:
+                    grow = np.zeros(n - self._cpu.shape[0], dtype=np.int64)
+                    self._cpu = np.concatenate([self._cpu, grow])
+                    self._samples = np.concatenate([self._samples, grow])
+                    self._beat = np.concatenate([self._beat, grow])
+                _add(gen.block, self._cpu, self._samples, self._beat)
 
     # --- read by the collector ---------------------------------------------------------
     def refresh(self, now: float, on_error: bool = False) -> None:
@@ -182,11 +185,7 @@ class WorkerTracker:
             samples[:n] += self._samples
             beat[:n] = self._beat
             for block in blocks:
-                arr = block.numpy()
-                m = arr.shape[0]
-                cpu[:m] += arr[:, CPU]
-                samples[:m] += arr[:, SAMPLES]
-                np.maximum(beat[:m], arr[:, HEARTBEAT], out=beat[:m])
+                _add(block, cpu, samples, beat)
             # A worker that has not finished a batch yet has no figures: none are made up.
             return [(i, int(cpu[i]), int(samples[i]), int(beat[i])) for i in range(width)
                     if beat[i]]

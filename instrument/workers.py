@@ -23,7 +23,6 @@ The main process reads the blocks at most once a second, off the per-batch path
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -31,8 +30,6 @@ from typing import Any
 
 import torch
 from torch.utils.data import get_worker_info
-
-log = logging.getLogger("instrument")
 
 CPU, SAMPLES, HEARTBEAT, PID = range(4)
 _FIELDS = 4

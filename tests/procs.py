@@ -38,6 +38,17 @@ def http_get(url: str, timeout: float = 10.0) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
+def finish(proc: subprocess.Popen[Any], stop: Path, timeout: float) -> int:
+    """Asks a test's subprocess to stop (it polls for the file `stop`); kills it past
+    `timeout`. Returns its exit status."""
+    stop.touch()
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 class Prometheus:
     """A Prometheus server scraping every second the targets tests add."""
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import require_binary
-from procs import REPO, Exporter, Prometheus, scalar
+from procs import REPO, Exporter, Prometheus, finish, scalar
 
 from dashboards import build, recording
 from dashboards.alerts import ALERTS
@@ -80,12 +80,7 @@ def live(tmp_path_factory: pytest.TempPathFactory, prometheus: Prometheus) -> It
         yield Live(prometheus, values, exporter.address)
     finally:
         prometheus.remove_target(TARGET)
-        stop.touch()
-        try:
-            trainer.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            trainer.kill()
-            trainer.wait()
+        finish(trainer, stop, 30)
         assert trainer.stderr is not None
         errors = trainer.stderr.read()
         trainer.stderr.close()

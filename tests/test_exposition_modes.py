@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import deadline_poll
-from procs import REPO, Prometheus, free_port, scalar
+from procs import REPO, Prometheus, finish, free_port, scalar
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families as text_parse
@@ -75,12 +75,7 @@ def trainer(tmp_path: Path) -> Iterator[tuple[list[int], subprocess.Popen[bytes]
     try:
         yield ports, proc
     finally:
-        stop.touch()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        finish(proc, stop, 20)
 
 
 def test_every_in_process_mode_serves_a_valid_exposition_that_prometheus_scrapes(
