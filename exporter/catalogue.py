@@ -221,6 +221,14 @@ SNAPSHOT_FILES = _m(
     "dataloader_exporter_snapshot_files", GAUGE,
     "Trainer snapshot files in the metrics directory, fresh ones served and stale ones dropped.",
     "", ("state",), SELF)
+SNAPSHOT_ERRORS = _m(
+    "dataloader_exporter_snapshot_errors_total", COUNTER,
+    "Trainer snapshot files skipped whole, once per version of a file, by reason.",
+    "", ("reason",), SELF)
+COLLECTIONS = _m(
+    "dataloader_exporter_collections_total", COUNTER,
+    "Collections run to answer scrapes of /metrics; concurrent scrapes share one.",
+    "", (), SELF)
 
 ALL: tuple[Metric, ...] = tuple(v for v in globals().values() if isinstance(v, Metric))
 BY_NAME: dict[str, Metric] = {m.name: m for m in ALL}

@@ -29,20 +29,22 @@ class Supervisor(Collector):
         self.sources = list(sources)
         self.build_info = build_info
         self._log = LogOnce(log)
+        self.collections = 0  # one per collect(); the HTTP server shares one among scrapes
 
     def describe(self) -> Iterator[Family]:
         """The families collect() may yield, so a registry refuses duplicates of them."""
         sources = {s.name for s in self.sources}
-        own = [cat.COLLECTOR_UP, cat.COLLECTOR_DURATION, cat.COLLECTOR_ERRORS]
+        own = [cat.COLLECTOR_UP, cat.COLLECTOR_DURATION, cat.COLLECTOR_ERRORS, cat.COLLECTIONS]
         if self.build_info:
             own.append(cat.BUILD_INFO)
         if cat.TRAINER in sources:
-            own += [cat.SNAPSHOT_FILES, cat.SNAPSHOT_AGE]
+            own += [cat.SNAPSHOT_FILES, cat.SNAPSHOT_AGE, cat.SNAPSHOT_ERRORS]
         for metric in cat.ALL:
             if metric.source in sources or metric in own:
                 yield family(metric)
 
     def collect(self) -> Iterator[Family]:
+        self.collections += 1
         up, duration, errors = (family(cat.COLLECTOR_UP), family(cat.COLLECTOR_DURATION),
                                 family(cat.COLLECTOR_ERRORS))
         for source in self.sources:
@@ -62,6 +64,9 @@ class Supervisor(Collector):
         yield up
         yield duration
         yield errors
+        collections = family(cat.COLLECTIONS)
+        collections.add_metric([], self.collections)
+        yield collections
         if self.build_info:
             info = family(cat.BUILD_INFO)
             info.add_metric([__version__, platform.python_version()], 1)
