@@ -101,7 +101,7 @@ def run_serve(args: argparse.Namespace, unknown: Sequence[str]) -> int:
         sources.insert(0, TrainerCollector(cfg.metrics_dir, cfg.stale_after))
     supervisor = attach(registry, sources)
     try:
-        handle = serve(registry, cfg.host, cfg.port)
+        handle = serve(registry, cfg.host, cfg.port, cfg.web, cfg.limits)
     except OSError as e:
         return _fail([f"cannot listen on {cfg.listen_address}: {e.strerror or e}"])
     # One collection in the background right away: NVML's first init can take longer than
@@ -115,8 +115,9 @@ def run_serve(args: argparse.Namespace, unknown: Sequence[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.info("dataloader-exporter %s listening on %s (collectors: %s)", __version__,
-             handle.url, ", ".join(s.name for s in sources) or "none")
+    log.info("dataloader-exporter %s listening on %s (collectors: %s%s)", __version__,
+             handle.url, ", ".join(s.name for s in sources) or "none",
+             "; basic auth" if cfg.web is not None and cfg.web.users else "")
     stop.wait()
     log.info("shutting down")
     handle.shutdown()

@@ -10,8 +10,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from exporter.http import Limits
+
+if TYPE_CHECKING:
+    from exporter.webconfig import WebConfig
 
 DEFAULT_PORT = 9478
 DEFAULT_ADDRESS = f":{DEFAULT_PORT}"
@@ -40,6 +47,9 @@ class Config:
     collectors: frozenset[str]
     stale_after: float
     log_level: str
+    limits: Limits = field(default_factory=Limits)
+    web_config_file: str | None = None
+    web: WebConfig | None = None  # loaded and checked from web_config_file
 
     @property
     def listen_address(self) -> str:
@@ -52,6 +62,21 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--web.listen-address", dest="listen_address", metavar="[HOST]:PORT",
                         help=f"address to serve on (default {DEFAULT_ADDRESS}; "
                              f"env {ENV_PREFIX}WEB_LISTEN_ADDRESS)")
+    parser.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
+                        help="exporter-toolkit web configuration: TLS, client certificates, "
+                             f"basic auth (env {ENV_PREFIX}WEB_CONFIG_FILE)")
+    parser.add_argument("--web.max-connections", dest="max_connections", metavar="N",
+                        help=f"open connections at most; over it the longest-idle one is "
+                             f"closed (default {Limits.max_connections}; "
+                             f"env {ENV_PREFIX}WEB_MAX_CONNECTIONS)")
+    parser.add_argument("--web.read-header-timeout", dest="read_header_timeout",
+                        metavar="DURATION",
+                        help=f"time a client has to send a request's headers (default "
+                             f"{Limits.read_header_timeout:g}s; "
+                             f"env {ENV_PREFIX}WEB_READ_HEADER_TIMEOUT)")
+    parser.add_argument("--web.idle-timeout", dest="idle_timeout", metavar="DURATION",
+                        help=f"close a kept-alive connection idle this long (default "
+                             f"{Limits.idle_timeout:g}s; env {ENV_PREFIX}WEB_IDLE_TIMEOUT)")
     parser.add_argument("--metrics-dir", dest="metrics_dir", metavar="DIR",
                         help=f"directory of trainer snapshot files (env {ENV_DIR})")
     parser.add_argument("--shm-path", dest="shm_path", metavar="PATH",
@@ -77,6 +102,21 @@ def _parse_bool(text: str) -> bool | None:
     if value in ("0", "false", "no", "off"):
         return False
     return None
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)?")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_seconds(text: str) -> float:
+    """'30', '30s', '1.5m', '500ms' -> seconds (positive, finite); ValueError otherwise."""
+    m = _DURATION.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(text)
+    seconds = float(m.group(1)) * _UNIT[m.group(2)]
+    if not seconds > 0:
+        raise ValueError(text)
+    return seconds
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -112,15 +152,41 @@ def build(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
     except ValueError as e:
         problems.append(str(e))
 
-    stale_text = pick("stale_after", "STALE_AFTER")
-    stale_after = DEFAULT_STALE_AFTER
-    if stale_text is not None:
+    def seconds(attr: str, var: str, flag: str, default: float) -> float:
+        text = pick(attr, var)
+        if text is None:
+            return default
         try:
-            stale_after = float(stale_text)
-            if not stale_after > 0 or stale_after == float("inf"):
-                raise ValueError
+            return parse_seconds(text)
         except ValueError:
-            problems.append(f"--stale-after {stale_text!r}: must be a positive number of seconds")
+            problems.append(f"{flag} {text!r}: must be a positive duration (30, 30s, 2m)")
+            return default
+
+    stale_after = seconds("stale_after", "STALE_AFTER", "--stale-after", DEFAULT_STALE_AFTER)
+    defaults = Limits()
+    read_header = seconds("read_header_timeout", "WEB_READ_HEADER_TIMEOUT",
+                          "--web.read-header-timeout", defaults.read_header_timeout)
+    idle = seconds("idle_timeout", "WEB_IDLE_TIMEOUT", "--web.idle-timeout",
+                   defaults.idle_timeout)
+    max_conn_text = pick("max_connections", "WEB_MAX_CONNECTIONS")
+    max_connections = defaults.max_connections
+    if max_conn_text is not None:
+        if max_conn_text.strip().isdigit() and int(max_conn_text) > 0:
+            max_connections = int(max_conn_text)
+        else:
+            problems.append(f"--web.max-connections {max_conn_text!r}: must be a positive "
+                            "whole number")
+    limits = Limits(max_connections, read_header, idle, defaults.write_timeout)
+
+    web_file = pick("web_config_file", "WEB_CONFIG_FILE") or None
+    web = None
+    if web_file is not None:
+        from exporter import webconfig  # PyYAML and bcrypt load only when asked for
+
+        try:
+            web = webconfig.load(web_file)
+        except webconfig.WebConfigError as e:
+            problems += [f"--web.config.file: {p}" for p in e.problems]
 
     level = (pick("log_level", "LOG_LEVEL") or "info").lower()
     if level not in LOG_LEVELS:
@@ -147,14 +213,17 @@ def build(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
     if "trainer" in enabled:
         if metrics_dir is None:
             problems.append(f"the trainer collector needs --metrics-dir (or {ENV_DIR})")
-        elif not os.path.isdir(metrics_dir):
+        elif not os.path.exists(metrics_dir):
             problems.append(f"--metrics-dir {metrics_dir!r}: no such directory")
+        elif not os.path.isdir(metrics_dir):
+            problems.append(f"--metrics-dir {metrics_dir!r}: not a directory")
         elif not os.access(metrics_dir, os.R_OK | os.X_OK):
             problems.append(f"--metrics-dir {metrics_dir!r}: not readable")
 
     if problems:
         raise ConfigError(problems)
-    return Config(host, port, metrics_dir, shm_path, frozenset(enabled), stale_after, level)
+    return Config(host, port, metrics_dir, shm_path, frozenset(enabled), stale_after, level,
+                  limits, web_file, web)
 
 
 def logging_level(name: str) -> int:

@@ -83,16 +83,23 @@ class Hub:
             writer.wake()
 
     def serve(self, port: int = 0, addr: str = "0.0.0.0", system_metrics: bool = True,
-              shm_path: str = SHM_PATH) -> ServerHandle:
+              shm_path: str = SHM_PATH, web_config_file: str | None = None) -> ServerHandle:
         """Serves the registry on addr:port, once per address (port 0: a new free port).
 
         system_metrics attaches the GPU (NVML), /dev/shm and host collectors to the
-        registry, once. Raises OSError when the port is taken by anything else.
+        registry, once. web_config_file turns on TLS and basic auth as the sidecar's
+        --web.config.file does. Raises OSError when the port is taken by anything else,
+        exporter.webconfig.WebConfigError (a ValueError) when the web config is bad.
         """
+        web = None
+        if web_config_file is not None:
+            from exporter import webconfig
+
+            web = webconfig.load(web_config_file)
         with self._lock:
             handle = self._servers.get((addr, port)) if port else None
             if handle is None or handle.closed:
-                handle = http_serve(self.registry, addr, port)
+                handle = http_serve(self.registry, addr, port, web)
                 self._servers[(addr, handle.port)] = handle
             if system_metrics and self._system is None:
                 self._system = attach(self.registry, system_sources(shm_path))

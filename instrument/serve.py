@@ -16,13 +16,16 @@ from .hub import hub_for
 
 
 def serve(port: int = 0, addr: str = "0.0.0.0", registry: CollectorRegistry | None = None,
-          system_metrics: bool = True, shm_path: str = SHM_PATH) -> ServerHandle:
+          system_metrics: bool = True, shm_path: str = SHM_PATH,
+          web_config_file: str | None = None) -> ServerHandle:
     """Serves the loaders' metrics on addr:port (once per address; 0 = any free port).
 
-    system_metrics adds the GPU (NVML), /dev/shm and host memory collectors.
-    Raises OSError when the port is taken: an explicit call deserves an explicit error.
+    system_metrics adds the GPU (NVML), /dev/shm and host memory collectors;
+    web_config_file (exporter-toolkit's format, as the sidecar's --web.config.file)
+    turns on TLS and basic auth. Raises OSError when the port is taken and ValueError
+    for a bad web config: an explicit call deserves an explicit error.
     """
-    return hub_for(registry).serve(port, addr, system_metrics, shm_path)
+    return hub_for(registry).serve(port, addr, system_metrics, shm_path, web_config_file)
 
 
 def shutdown(registry: CollectorRegistry | None = None) -> None:

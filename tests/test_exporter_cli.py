@@ -56,6 +56,10 @@ def test_environment_variables_configure_and_flags_win(tmp_path: Path) -> None:
                 env=env)
     assert (cfg.host, cfg.port, cfg.stale_after) == ("::1", 8000, 3.0)
     assert "gpu" in cfg.collectors and cfg.listen_address == "[::1]:8000"
+    cfg = build("--stale-after=2m", "--web.idle-timeout=500ms", "--web.max-connections=7",
+                env={"DATALOADER_EXPORTER_WEB_READ_HEADER_TIMEOUT": "3s"})
+    assert cfg.stale_after == 120 and cfg.limits.idle_timeout == 0.5
+    assert (cfg.limits.max_connections, cfg.limits.read_header_timeout) == (7, 3.0)
 
 
 @pytest.mark.parametrize(("argv", "env", "expected"), [
@@ -64,10 +68,14 @@ def test_environment_variables_configure_and_flags_win(tmp_path: Path) -> None:
     (["--web.listen-address=:http"], {}, "port must be 0-65535"),
     (["--web.listen-address=::1:80"], {}, "IPv6 host in brackets"),
     ([], {"DATALOADER_EXPORTER_WEB_LISTEN_ADDRESS": "nope"}, "is not [HOST]:PORT"),
-    (["--stale-after=-5"], {}, "positive number of seconds"),
-    (["--stale-after=0"], {}, "positive number of seconds"),
-    (["--stale-after=soon"], {}, "positive number of seconds"),
-    ([], {"DATALOADER_EXPORTER_STALE_AFTER": "-1"}, "positive number of seconds"),
+    (["--stale-after=-5"], {}, "positive duration"),
+    (["--stale-after=0"], {}, "positive duration"),
+    (["--stale-after=soon"], {}, "positive duration"),
+    ([], {"DATALOADER_EXPORTER_STALE_AFTER": "-1"}, "positive duration"),
+    (["--web.idle-timeout=0s"], {}, "--web.idle-timeout '0s': must be a positive duration"),
+    ([], {"DATALOADER_EXPORTER_WEB_READ_HEADER_TIMEOUT": "fast"}, "positive duration"),
+    (["--web.max-connections=0"], {}, "positive whole number"),
+    (["--web.config.file=/no/such/web.yml"], {}, "--web.config.file"),
     (["--log.level=loud"], {}, "must be one of debug, info, warn, error"),
     ([], {"DATALOADER_EXPORTER_COLLECTOR_SHM": "maybe"}, "must be true or false"),
     (["--collector.trainer"], {}, "needs --metrics-dir"),
@@ -84,7 +92,7 @@ def test_all_problems_are_reported_together_with_exit_status_2_and_nothing_liste
                      "--metrics-dir=/no/such/dir")
     assert result.returncode == 2
     err = result.stderr
-    for expected in ("unknown flag '--bogus'", "is not [HOST]:PORT", "positive number",
+    for expected in ("unknown flag '--bogus'", "is not [HOST]:PORT", "positive duration",
                      "no such directory"):
         assert expected in err, err
     assert "listening" not in err
@@ -93,7 +101,7 @@ def test_all_problems_are_reported_together_with_exit_status_2_and_nothing_liste
 def test_a_metrics_dir_that_is_a_file_is_rejected(tmp_path: Path) -> None:
     f = tmp_path / "file"
     f.write_text("")
-    assert "no such directory" in problems(f"--metrics-dir={f}")[0]
+    assert "not a directory" in problems(f"--metrics-dir={f}")[0]
 
 
 def test_an_unreadable_metrics_dir_is_rejected_with_exit_status_2(tmp_path: Path) -> None:
@@ -167,7 +175,9 @@ def test_the_exporter_process_never_imports_torch(tmp_path: Path) -> None:
 def test_help_names_every_flag() -> None:
     out = run_cli("serve", "--help").stdout
     for flag in ("--web.listen-address", "--metrics-dir", "--shm-path", "--stale-after",
-                 "--log.level", "--collector.gpu", "--no-collector.gpu", "--collector.trainer"):
+                 "--log.level", "--collector.gpu", "--no-collector.gpu", "--collector.trainer",
+                 "--web.config.file", "--web.max-connections", "--web.read-header-timeout",
+                 "--web.idle-timeout"):
         assert flag in out
 
 
