@@ -1,21 +1,17 @@
 """The exporter-toolkit web configuration file (`--web.config.file`), read as node_exporter does.
 
-Operators already write one file for TLS, client certificates and basic auth for every
-Prometheus exporter; reading the same keys with the same meaning lets them reuse it. Loading
-checks everything at once (keys, types, files, certificates, keys, hashes) and raises
-`WebConfigError` listing every problem; no message prints a password hash or key material.
-Unlike exporter-toolkit, the file is read once: restart the exporter to pick up changes.
-
-Python's ssl differs from Go's crypto/tls in places; nothing is ignored silently:
-- client_auth_type: NoClientCert -> CERT_NONE, VerifyClientCertIfGiven -> CERT_OPTIONAL and
-  RequireAndVerifyClientCert -> CERT_REQUIRED, both against the client CA (required).
-  RequestClientCert and RequireAnyClientCert accept unverified certificates, which Python
-  cannot do (it verifies whatever it requests): they are rejected.
-- cipher_suites: Go's names map to OpenSSL's (TLS 1.0-1.2; TLS 1.3 suites are fixed, as in Go).
-- client_allowed_sans: checked right after each handshake by the context's own socket and
-  SSL object classes, so any server using `ssl_context()` (asyncio included) enforces it.
-- curve_preferences and rate_limit are rejected: Python's ssl has no curve preference list,
-  and rate limiting is not implemented here.
+Operators write one such file for TLS, client certificates and basic auth for all their
+exporters; the same keys with the same meaning let them reuse it. `load` checks everything
+at once (keys, types, files, certificates, keys, hashes) and raises `WebConfigError` listing
+every problem, never showing a hash or key. Unlike exporter-toolkit the file is read once:
+restart to pick up changes. Where Python's ssl differs from Go's, nothing is ignored silently:
+- client_auth_type: NoClientCert -> CERT_NONE; VerifyClientCertIfGiven -> CERT_OPTIONAL and
+  RequireAndVerifyClientCert -> CERT_REQUIRED, against the client CA they need. Request- and
+  RequireAnyClientCert accept unverified certificates, which Python cannot: they are rejected.
+- client_allowed_sans: checked after each handshake by the context's own SSL object and
+  socket classes, so any server using `ssl_context()` (asyncio's too) enforces it.
+- cipher_suites, curve_preferences (no preference list in Python's ssl) and rate_limit are
+  rejected: OpenSSL's secure defaults apply, and there is no rate limiter here.
 - http2 is accepted and has no effect: the exporter serves HTTP/1.1.
 """
 
@@ -40,39 +36,27 @@ from typing import Any
 import bcrypt
 import yaml
 
-TOP_KEYS = ("tls_server_config", "http_server_config", "basic_auth_users", "rate_limit")
-TLS_KEYS = ("cert", "key", "client_ca", "cert_file", "key_file", "client_ca_file",
-            "client_auth_type", "min_version", "max_version", "cipher_suites",
-            "curve_preferences", "prefer_server_cipher_suites", "client_allowed_sans")
-HTTP_KEYS = ("http2", "headers")
-# exporter-toolkit's only configurable headers, with their allowed values (None: any).
-HEADERS: dict[str, tuple[str, ...] | None] = {
-    "Strict-Transport-Security": None, "X-Content-Type-Options": ("nosniff",),
-    "X-Frame-Options": ("deny", "sameorigin"), "X-XSS-Protection": None,
-    "Content-Security-Policy": None}
+T = "tls_server_config"
+TOP_KEYS = (T, "http_server_config", "basic_auth_users", "rate_limit")
+TLS_TEXT = ("cert", "key", "client_ca", "cert_file", "key_file", "client_ca_file",
+            "client_auth_type", "min_version", "max_version")
+TLS_LISTS = ("cipher_suites", "curve_preferences", "client_allowed_sans")
+UNSUPPORTED = {"rate_limit": "no rate limiter here",
+               f"{T}.curve_preferences": "Python's ssl has no curve preference list",
+               f"{T}.cipher_suites": "OpenSSL's default suites apply"}
+KINDS = {str: "a string", bool: "true or false", dict: "a mapping", list: "a list of strings"}
+# exporter-toolkit's only configurable headers, with their allowed values (empty: any).
+HEADERS: dict[str, tuple[str, ...]] = {
+    "Strict-Transport-Security": (), "X-Content-Type-Options": ("nosniff",),
+    "X-Frame-Options": ("deny", "sameorigin"), "X-XSS-Protection": (),
+    "Content-Security-Policy": ()}
 CLIENT_AUTH = {"NoClientCert": ssl.CERT_NONE, "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
                "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}
 UNVERIFIED_AUTH = ("RequestClientCert", "RequireAnyClientCert", "RequireClientCert")
 VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1,
             "TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3}
-# Go's tls.CipherSuites() names -> OpenSSL names; TLS 1.3 suites cannot be configured.
-TLS13_SUITES = ("TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384", "TLS_CHACHA20_POLY1305_SHA256")
-CIPHERS = {f"TLS_{go}": ossl for go, ossl in (
-    ("RSA_WITH_AES_128_CBC_SHA", "AES128-SHA"), ("RSA_WITH_AES_256_CBC_SHA", "AES256-SHA"),
-    ("RSA_WITH_AES_128_GCM_SHA256", "AES128-GCM-SHA256"),
-    ("RSA_WITH_AES_256_GCM_SHA384", "AES256-GCM-SHA384"),
-    ("ECDHE_ECDSA_WITH_AES_128_CBC_SHA", "ECDHE-ECDSA-AES128-SHA"),
-    ("ECDHE_ECDSA_WITH_AES_256_CBC_SHA", "ECDHE-ECDSA-AES256-SHA"),
-    ("ECDHE_RSA_WITH_AES_128_CBC_SHA", "ECDHE-RSA-AES128-SHA"),
-    ("ECDHE_RSA_WITH_AES_256_CBC_SHA", "ECDHE-RSA-AES256-SHA"),
-    ("ECDHE_ECDSA_WITH_AES_128_GCM_SHA256", "ECDHE-ECDSA-AES128-GCM-SHA256"),
-    ("ECDHE_ECDSA_WITH_AES_256_GCM_SHA384", "ECDHE-ECDSA-AES256-GCM-SHA384"),
-    ("ECDHE_RSA_WITH_AES_128_GCM_SHA256", "ECDHE-RSA-AES128-GCM-SHA256"),
-    ("ECDHE_RSA_WITH_AES_256_GCM_SHA384", "ECDHE-RSA-AES256-GCM-SHA384"),
-    ("ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256", "ECDHE-RSA-CHACHA20-POLY1305"),
-    ("ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256", "ECDHE-ECDSA-CHACHA20-POLY1305"))}
 BCRYPT_HASH = re.compile(r"\$2[abxy]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}")
-AUTH_CACHE_SIZE = 100  # successful checks remembered, as exporter-toolkit's cache
+AUTH_CACHE_SIZE = 100  # successful checks remembered, as in exporter-toolkit
 
 
 class WebConfigError(ValueError):
@@ -85,7 +69,7 @@ class WebConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TlsSettings:
-    """The TLS settings as loaded; paths are absolute, None where the PEM was inline."""
+    """TLS settings as loaded; paths are absolute, None where the PEM was given inline."""
 
     cert_file: str | None
     key_file: str | None
@@ -93,30 +77,28 @@ class TlsSettings:
     client_ca_file: str | None
     min_version: ssl.TLSVersion
     max_version: ssl.TLSVersion
-    cipher_suites: tuple[str, ...]
     prefer_server_cipher_suites: bool
-    client_allowed_sans: tuple[str, ...]
+    client_allowed_sans: frozenset[str]
 
 
 class BasicAuth:
-    """Checks Basic credentials against bcrypt hashes, remembering recent successes.
+    """Checks `Basic` credentials against bcrypt hashes, remembering recent successes.
 
-    bcrypt is slow on purpose, so a success is cached under the user and a SHA-256 of the
-    password (bounded LRU); failures are not. An unknown user still costs one bcrypt check
+    bcrypt is slow on purpose: a success is cached under the user and a SHA-256 of the
+    password (bounded LRU); failures are not. An unknown user still costs one bcrypt check,
     against a random hash of the highest configured cost, so timing does not reveal users.
     As in exporter-toolkit, one bcrypt check runs at a time. Thread-safe.
     """
 
     def __init__(self, users: Mapping[str, bytes], cache_size: int = AUTH_CACHE_SIZE) -> None:
-        self.users = users
-        self.cache_size = cache_size
-        self._cache: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        self.users, self.cache_size = users, cache_size
+        self.cache: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self._lock, self._bcrypt_lock = threading.Lock(), threading.Lock()
         cost = max((int(h[4:6]) for h in users.values()), default=4)
         self._dummy = bcrypt.hashpw(secrets.token_hex(16).encode(), bcrypt.gensalt(cost))
 
     def check(self, authorization: str | None) -> bool:
-        """True for a valid `Basic` Authorization header value, or when no users are set."""
+        """True for a right `Basic` Authorization header value, or when there are no users."""
         if not self.users:
             return True
         credentials = parse_basic(authorization)
@@ -125,20 +107,20 @@ class BasicAuth:
         user, password = credentials
         key = (user, hashlib.sha256(password).digest())
         with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
+            if key in self.cache:
+                self.cache.move_to_end(key)
                 return True
         hashed = self.users.get(user)
-        ok = self.checkpw(password, self._dummy if hashed is None else hashed) and bool(hashed)
-        if ok:
-            with self._lock:
-                self._cache[key] = None
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-        return ok
+        if not self.checkpw(password, self._dummy if hashed is None else hashed) or not hashed:
+            return False
+        with self._lock:
+            self.cache[key] = None
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        return True
 
     def checkpw(self, password: bytes, hashed: bytes) -> bool:
-        """One bcrypt comparison (bcrypt reads the first 72 bytes, as Go's does)."""
+        """One bcrypt comparison; bcrypt reads only the first 72 bytes, as Go's does."""
         with self._bcrypt_lock:
             try:
                 return bcrypt.checkpw(password[:72], hashed)
@@ -147,7 +129,7 @@ class BasicAuth:
 
 
 def parse_basic(authorization: str | None) -> tuple[str, bytes] | None:
-    """(user, password) from `Basic base64(user:password)`, None when malformed."""
+    """(user, password) from `Basic base64(user:password)`; None when malformed."""
     if not authorization or authorization[:6].lower() != "basic ":
         return None
     try:
@@ -160,7 +142,7 @@ def parse_basic(authorization: str | None) -> tuple[str, bytes] | None:
 
 @dataclass(frozen=True)
 class WebConfig:
-    """A loaded web config file. http2 is kept for reference only: we serve HTTP/1.1."""
+    """A loaded web config file. `http2` is informative only: the exporter serves HTTP/1.1."""
 
     path: str
     tls: TlsSettings | None
@@ -168,170 +150,239 @@ class WebConfig:
     headers: Mapping[str, str]
     http2: bool = True
     _context: ssl.SSLContext | None = field(default=None, repr=False, compare=False)
-    _auth: BasicAuth | None = field(default=None, repr=False, compare=False)
+    _auth: BasicAuth = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self._auth is None:
-            object.__setattr__(self, "_auth", BasicAuth(self.users))
+        object.__setattr__(self, "_auth", BasicAuth(self.users))
 
     def ssl_context(self) -> ssl.SSLContext | None:
-        """The server-side context built at load; None for plain HTTP."""
+        """The server-side context, built once at load; None for plain HTTP."""
         return self._context
 
     def authorized(self, authorization: str | None) -> bool:
         """Whether a request with this raw Authorization header value may pass."""
-        assert self._auth is not None
         return self._auth.check(authorization)
 
 
 def load(path: str) -> WebConfig:
     """Read and check a web config file; raise WebConfigError listing every problem."""
-    r = _Report(path)
     try:
         with open(path, "rb") as f:
-            doc = yaml.load(f.read(), Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
+            doc = yaml.load(f.read(), Loader=_StrictLoader)
     except OSError as e:
         raise WebConfigError([f"{path}: cannot read the file: {e.strerror}"]) from None
-    except yaml.YAMLError as e:
-        raise WebConfigError([f"{path}: not valid YAML: {_yaml_reason(e)}"]) from None
-    doc = {} if doc is None else doc
-    if not isinstance(doc, dict):
+    except yaml.YAMLError as e:  # its own message quotes the line, which may hold a secret
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise WebConfigError([f"{path}: not valid YAML: {problem}{where}"]) from None
+    if not isinstance(doc, dict | None):
         raise WebConfigError([f"{path}: the file must hold a mapping of settings"])
-    for key in doc.keys() - set(TOP_KEYS):
-        r.add(str(key), f"unknown key (known: {', '.join(TOP_KEYS)})")
-    if r.section(doc, "rate_limit", ("interval", "burst")):
-        r.add("rate_limit", "not supported by dataloader-exporter; remove it")
-    users = _users(doc.get("basic_auth_users"), r)
-    http = r.section(doc, "http_server_config", HTTP_KEYS)
-    http2 = r.get(http, "http_server_config", "http2", bool)
-    headers = r.get(http, "http_server_config", "headers", dict) or {}
+    r = _Report(path)
+    doc = r.section({"": doc}, "", TOP_KEYS)  # "": the top level
+    users: dict[str, bytes] = {}
+    for user, hashed in (r.get(doc, "basic_auth_users", dict) or {}).items():
+        if not isinstance(user, str) or not user or ":" in user:
+            r.add(f"basic_auth_users.{user}", "a user name must be a non-empty string without ':'")
+        elif not isinstance(hashed, str) or not BCRYPT_HASH.fullmatch(hashed):
+            r.add(f"basic_auth_users.{user}", "not a bcrypt hash ($2y$, cost 04-31, 60 chars)")
+        else:
+            users[user] = hashed.encode()
+    http = r.section(doc, "http_server_config", ("http2", "headers"))
+    headers = r.get(http, "http_server_config.headers", dict) or {}
     for name, value in headers.items():
-        allowed = HEADERS.get(name, ())
-        where = f"http_server_config.headers.{name}"
-        if name not in HEADERS:
-            r.add(where, f"this header cannot be configured (allowed: {', '.join(HEADERS)})")
+        where, allowed = f"http_server_config.headers.{name}", HEADERS.get(name)
+        if allowed is None:
+            r.add(where, f"this header cannot be set (only {', '.join(HEADERS)})")
         elif not isinstance(value, str) or any(c in value for c in "\r\n\0"):
             r.add(where, "must be a string on one line")
         elif allowed and value not in allowed:
             r.add(where, f"must be one of {', '.join(allowed)}")
-    tls, context = _tls(r.section(doc, "tls_server_config", TLS_KEYS), path, r)
+    http2 = r.get(http, "http_server_config.http2", bool) is not False
+    tls, context = _tls(r.section(doc, T, (*TLS_TEXT, *TLS_LISTS, "prefer_server_cipher_suites")),
+                        os.path.dirname(os.path.abspath(path)), r)
     if r.problems:
         raise WebConfigError(r.problems)
     return WebConfig(path, tls, MappingProxyType(users), MappingProxyType(dict(headers)),
-                     http2 is not False, context)
+                     http2, context)
 
 
 class _Report:
-    """Collects problem lines, each naming the file and the key."""
+    """Collects problem lines, each naming the config file and the key."""
 
     def __init__(self, path: str) -> None:
-        self.path, self.problems = path, []  # type: ignore[var-annotated]
+        self.path, self.problems = path, list[str]()
 
     def add(self, key: str, message: str) -> None:
         self.problems.append(f"{self.path}: {key}: {message}")
 
-    def section(self, doc: dict[Any, Any], name: str, keys: tuple[str, ...]) -> dict[Any, Any]:
-        value = doc.get(name)
-        if value is not None and not isinstance(value, dict):
-            self.add(name, "must be a mapping")
-        if not isinstance(value, dict):
-            return {}
-        for key in value.keys() - set(keys):
-            self.add(f"{name}.{key}", f"unknown key (known: {', '.join(keys)})")
-        return {k: v for k, v in value.items() if v is not None and k in keys}
-
-    def get(self, section: dict[Any, Any], name: str, key: str, kind: type) -> Any:
-        value = section.get(key)
-        if value is None or isinstance(value, kind) and (
-                kind is not list or all(isinstance(v, str) for v in value)):
+    def get(self, mapping: dict[Any, Any], where: str, kind: type) -> Any:
+        """mapping[key] (where is 'section.key') if of this kind; None if absent or not."""
+        value: Any = mapping.get(where.rpartition(".")[2])
+        strings = not isinstance(value, list) or all(isinstance(v, str) for v in value)
+        if value is None or (isinstance(value, kind) and strings):
             return value
-        kinds = {str: "a string", bool: "true or false", dict: "a mapping",
-                 list: "a list of strings"}
-        self.add(f"{name}.{key}", f"must be {kinds[kind]}")
+        self.add(where, f"must be {KINDS[kind]}")
         return None
+
+    def section(self, mapping: dict[Any, Any], where: str, keys: tuple[str, ...]) -> Any:
+        """A sub-mapping; unknown keys, and unsupported ones that are set, are problems."""
+        section = self.get(mapping, where, dict) or {}
+        for key, value in section.items():
+            name = f"{where}.{key}".lstrip(".")
+            if name in UNSUPPORTED and value:
+                self.add(name, f"not supported by dataloader-exporter ({UNSUPPORTED[name]})")
+            elif key not in keys:
+                self.add(name, f"unknown key (known: {', '.join(keys)})")
+        return section
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """A SafeLoader that rejects duplicate keys, as Go's yaml.UnmarshalStrict does."""
+    """A SafeLoader that refuses duplicate keys, as Go's yaml.UnmarshalStrict does."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
-            if isinstance(key, str | int | float | bool) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key if isinstance(key, str | int | float | bool) else id(key_node))
+        seen: set[str] = set()
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode):
+                if key.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key.value!r}", key.start_mark)
+                seen.add(key.value)
         return super().construct_mapping(node, deep)
 
 
-def _yaml_reason(e: yaml.YAMLError) -> str:
-    """The reason and position only: YAML's own snippet could show a secret."""
-    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
-        mark = e.problem_mark
-        return f"{e.problem} (line {mark.line + 1}, column {mark.column + 1})"
-    return type(e).__name__
-
-
-def _users(value: Any, r: _Report) -> dict[str, bytes]:
-    if value is not None and not isinstance(value, dict):
-        r.add("basic_auth_users", "must be a mapping of user name to bcrypt hash")
-    users = {}
-    for user, hashed in (value or {}).items() if isinstance(value, dict) else ():
-        where = f"basic_auth_users.{user}"
-        if not isinstance(user, str) or not user:
-            r.add(where, "a user name must be a non-empty string (quote it)")
-        elif ":" in user:
-            r.add(where, "a user name cannot contain ':' (Basic auth splits on it)")
-        elif not isinstance(hashed, str) or not BCRYPT_HASH.fullmatch(hashed):
-            r.add(where, "the password hash is not a bcrypt hash ($2y$, cost 04-31, 60 chars)")
-        else:
-            users[user] = hashed.encode()
-    return users
-
-
-def _tls(s: dict[str, Any], path: str, r: _Report) -> tuple[TlsSettings | None, Any]:
-    if not s:
+def _tls(s: dict[str, Any], base: str, r: _Report) -> tuple[TlsSettings | None, Any]:
+    """The TLS settings and server context: (None, None) without settings or with problems."""
+    if not any(v is not None for v in s.values()):
         return None, None
-    base = os.path.dirname(os.path.abspath(path))
-    get = {k: r.get(s, "tls_server_config", k, list if k in (
-        "cipher_suites", "curve_preferences", "client_allowed_sans") else
-        bool if k == "prefer_server_cipher_suites" else str) for k in TLS_KEYS}
-    files = {k: os.path.join(base, get[k]) if get[k] else None
-             for k in ("cert_file", "key_file", "client_ca_file")}
-    pem = {k: _pem(get[k], files[f"{k}_file"], k, r) for k in ("cert", "key", "client_ca")}
-    auth = get["client_auth_type"] or "NoClientCert"
+    before = len(r.problems)
+    text = {k: r.get(s, f"{T}.{k}", str) for k in TLS_TEXT}
+    lists = {k: tuple(r.get(s, f"{T}.{k}", list) or ()) for k in TLS_LISTS}
+    files = {k: os.path.join(base, text[f"{k}_file"]) if text[f"{k}_file"] else None
+             for k in ("cert", "key", "client_ca")}
+    pems = {k: _read_pem(k, text[k], files[k], r) for k in files}
+    for k in ("cert", "key"):
+        if not (text[k] or files[k]):
+            r.add(T, f"missing one of {k} or {k}_file")
+    auth = text["client_auth_type"] or "NoClientCert"
+    has_ca = bool(text["client_ca"] or files["client_ca"])
     if auth in UNVERIFIED_AUTH:
-        r.add("tls_server_config.client_auth_type", f"{auth} is not supported by "
-              "dataloader-exporter: Python's ssl verifies any client certificate it asks "
-              "for; use VerifyClientCertIfGiven or RequireAndVerifyClientCert")
+        r.add(f"{T}.client_auth_type", f"{auth} is not supported by dataloader-exporter (Python's "
+              "ssl verifies any client certificate it asks for); use RequireAndVerifyClientCert")
     elif auth not in CLIENT_AUTH:
-        r.add("tls_server_config.client_auth_type", f"unknown value (one of {', '.join(
-            [*CLIENT_AUTH, *UNVERIFIED_AUTH[:2]])})")
-    elif (auth == "NoClientCert") == bool(pem["client_ca"]) and "client_ca" in pem:
-        r.add("tls_server_config.client_ca_file", "a client CA needs a client_auth_type that "
-              "verifies" if auth == "NoClientCert" else f"{auth} needs client_ca_file")
-    versions = [VERSIONS.get(get[k] or d) for k, d in (("min_version", "TLS12"),
-                                                      ("max_version", "TLS13"))]
-    for key, version in zip(("min_version", "max_version"), versions):
+        r.add(f"{T}.client_auth_type", f"unknown (one of {', '.join(CLIENT_AUTH)})")
+    elif (auth == "NoClientCert") == has_ca:
+        r.add(f"{T}.client_ca_file", "a client CA needs a client_auth_type that verifies"
+              if has_ca else f"needed by {auth}")
+    versions = {k: VERSIONS.get(text[k] or default) for k, default in
+                (("min_version", "TLS12"), ("max_version", "TLS13"))}
+    for k, version in versions.items():
         if version is None:
-            r.add(f"tls_server_config.{key}", f"unknown version (one of {', '.join(VERSIONS)})")
-    if None not in versions and versions[0] > versions[1]:  # type: ignore[operator]
-        r.add("tls_server_config.min_version", "is above max_version")
-    suites = tuple(get["cipher_suites"] or ())
-    for name in suites:
-        if name not in CIPHERS and name not in TLS13_SUITES:
-            r.add("tls_server_config.cipher_suites", f"unknown cipher suite {name!r}")
-    if get["curve_preferences"]:
-        r.add("tls_server_config.curve_preferences", "not supported by dataloader-exporter "
-              "(Python's ssl has no curve preference list); remove it")
-    sans = tuple(get["client_allowed_sans"] or ())
-    if sans and auth != "RequireAndVerifyClientCert":
-        r.add("tls_server_config.client_allowed_sans", "needs client_auth_type "
-              "RequireAndVerifyClientCert")
-    if r.problems:
+            r.add(f"{T}.{k}", f"unknown TLS version (one of {', '.join(VERSIONS)})")
+    low = versions["min_version"] or ssl.TLSVersion.TLSv1_2  # defaults only stand in where
+    high = versions["max_version"] or ssl.TLSVersion.TLSv1_3  # a problem was reported
+    if low > high:
+        r.add(f"{T}.min_version", "is above max_version")
+    if lists["client_allowed_sans"] and auth != "RequireAndVerifyClientCert":
+        r.add(f"{T}.client_allowed_sans", "needs client_auth_type RequireAndVerifyClientCert")
+    prefer = r.get(s, f"{T}.prefer_server_cipher_suites", bool) is not False
+    context = _ServerContext(ssl.PROTOCOL_TLS_SERVER)
+    _load_pems(context, pems, files, r)
+    if len(r.problems) > before:
         return None, None
-    settings = TlsSettings(files["cert_file"], files["key_file"], auth, files["client_ca_file"],
-                           versions[0], versions[1], suites,  # type: ignore[arg-type]
-                           get["prefer_server_cipher_suites"] is not False, sans)
-    return settings, _context(settings, pem, r)
+    tls = TlsSettings(files["cert"], files["key"], auth, files["client_ca"], low, high, prefer,
+                      frozenset(lists["client_allowed_sans"]))
+    context.minimum_version, context.maximum_version = low, high
+    context.verify_mode, context.allowed_sans = CLIENT_AUTH[auth], tls.client_allowed_sans
+    if not prefer:
+        context.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
+    return tls, context
+
+
+def _read_pem(key: str, inline: str | None, path: str | None, r: _Report) -> bytes | None:
+    if inline and path:
+        r.add(f"{T}.{key}", f"give {key} or {key}_file, not both")
+    elif path:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            r.add(f"{T}.{key}_file", f"cannot read {path}: {e.strerror}")
+    return inline.encode() if inline and not path else None
+
+
+def _add_certs(context: ssl.SSLContext, pem: bytes) -> bool:
+    try:
+        context.load_verify_locations(cadata=pem.decode("ascii"))
+    except (ssl.SSLError, ValueError):
+        return False
+    return True
+
+
+def _load_pems(context: ssl.SSLContext, pems: dict[str, bytes | None],
+               files: dict[str, str | None], r: _Report) -> None:
+    """Load the certificate, key and client CA, naming the key and file of any problem."""
+    key_of = {k: f"{T}.{k}_file" if files[k] else f"{T}.{k}" for k in files}
+    name = {k: files[k] or f"the inline {k}" for k in files}
+    if pems["client_ca"] is not None and not _add_certs(context, pems["client_ca"]):
+        r.add(key_of["client_ca"], f"{name['client_ca']} holds no PEM certificate")
+    cert, key = pems["cert"], pems["key"]
+    if cert is None or key is None:
+        return
+    if not _add_certs(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), cert):
+        r.add(key_of["cert"], f"{name['cert']} holds no PEM certificate")
+    elif b"ENCRYPTED PRIVATE KEY-----" in key or b"Proc-Type: 4,ENCRYPTED" in key:
+        r.add(key_of["key"], f"{name['key']} is encrypted; give it unencrypted")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:  # mode 0700, for inline PEM only
+            paths = [files[k] or os.path.join(tmp, k) for k in ("cert", "key")]
+            for k, path, pem in (("cert", paths[0], cert), ("key", paths[1], key)):
+                if not files[k]:
+                    with open(path, "wb") as f:
+                        f.write(pem)
+            try:  # a password, even empty, keeps OpenSSL from prompting on the terminal
+                context.load_cert_chain(paths[0], paths[1], password=b"")
+            except ssl.SSLError as e:
+                r.add(key_of["key"], f"{name['key']} does not match {name['cert']}"
+                      if e.reason == "KEY_VALUES_MISMATCH" else
+                      f"{name['key']} holds no PEM private key")
+
+
+def _check_sans(conn: ssl.SSLObject | ssl.SSLSocket) -> None:
+    """Refuse a client certificate without a SAN in client_allowed_sans, as exporter-toolkit."""
+    allowed = getattr(conn.context, "allowed_sans", None)
+    if not allowed:
+        return
+    sans: Any = (conn.getpeercert() or {}).get("subjectAltName", ())
+    if not {_san(kind, value) for kind, value in sans} & allowed:
+        raise ssl.SSLCertVerificationError("client certificate has no SAN in client_allowed_sans")
+
+
+def _san(kind: str, value: str) -> str | None:
+    """A SAN as Go's x509 prints it (IPs in short form); None for kinds Go does not match."""
+    if kind == "IP Address":
+        try:
+            return str(ipaddress.ip_address(value.strip()))
+        except ValueError:
+            return value
+    return value if kind in ("DNS", "email", "URI") else None
+
+
+class _SanCheckedObject(ssl.SSLObject):
+    def do_handshake(self) -> None:
+        super().do_handshake()
+        _check_sans(self)
+
+
+class _SanCheckedSocket(ssl.SSLSocket):
+    def do_handshake(self, block: bool = False) -> None:
+        super().do_handshake(block)
+        _check_sans(self)
+
+
+class _ServerContext(ssl.SSLContext):
+    """A server context whose connections check client_allowed_sans after the handshake."""
+
+    allowed_sans: frozenset[str] = frozenset()
+    sslobject_class = _SanCheckedObject
+    sslsocket_class = _SanCheckedSocket
