@@ -52,7 +52,8 @@ def finish(proc: subprocess.Popen[Any], stop: Path, timeout: float) -> int:
 class Prometheus:
     """A Prometheus server scraping every second the targets tests add."""
 
-    def __init__(self, binary: str, workdir: Path, rule_files: list[str] | None = None) -> None:
+    def __init__(self, binary: str, workdir: Path, rule_files: list[str] | None = None,
+                 scrape_configs: list[dict[str, Any]] | None = None) -> None:
         self.workdir = workdir
         self.sd_dir = workdir / "targets"
         self.sd_dir.mkdir(parents=True, exist_ok=True)
@@ -66,7 +67,7 @@ class Prometheus:
                 "job_name": "dataloader-exporter",
                 "file_sd_configs": [{"files": [str(self.sd_dir / "*.json")],
                                      "refresh_interval": "1s"}],
-            }],
+            }, *(scrape_configs or [])],
         }
         cfg = workdir / "prometheus.yml"
         cfg.write_text(json.dumps(config))  # JSON is YAML
@@ -137,13 +138,17 @@ def scalar(result: list[dict[str, Any]]) -> float:
 class Exporter:
     """`python -m exporter serve` as a real process; knows the URL it listens on."""
 
-    LISTENING = re.compile(r"listening on (http://\S+)")
+    LISTENING = re.compile(r"listening on (https?://\S+)")
 
     def __init__(self, *args: str, env: dict[str, str] | None = None,
-                 python: str = sys.executable, cwd: Path = REPO) -> None:
+                 python: str = sys.executable, cwd: Path = REPO,
+                 max_files: int | None = None) -> None:
         self.lines: list[str] = []
+        argv = [python, "-m", "exporter", "serve", "--web.listen-address=127.0.0.1:0", *args]
+        if max_files is not None:  # a descriptor limit, as a small container may have
+            argv = ["prlimit", f"--nofile={max_files}", "--", *argv]
         self.proc = subprocess.Popen(
-            [python, "-m", "exporter", "serve", "--web.listen-address=127.0.0.1:0", *args],
+            argv,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd,
             env={**os.environ, **(env or {})})
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -169,7 +174,7 @@ class Exporter:
 
     @property
     def address(self) -> str:
-        return self.url.removeprefix("http://")
+        return self.url.split("://", 1)[1]
 
     def metrics(self) -> str:
         status, body = http_get(self.url + "/metrics")
