@@ -17,6 +17,7 @@ from prometheus_client.metrics_core import Metric as Family
 
 from exporter import catalogue as c
 from exporter.collectors.base import LogOnce, family
+from exporter.facts.shm import SHM_PATH, read_shm
 
 log = logging.getLogger("exporter.shm")
 
@@ -26,7 +27,7 @@ class ShmCollector:
 
     name = "shm"
 
-    def __init__(self, path: str = "/dev/shm",
+    def __init__(self, path: str = SHM_PATH,
                  statvfs: Callable[[str], Any] = os.statvfs) -> None:
         self.path = path
         self.up = False
@@ -36,7 +37,7 @@ class ShmCollector:
 
     def collect(self) -> Iterable[Family]:
         try:
-            st = self._statvfs(self.path)
+            space = read_shm(self.path, self._statvfs)
         except OSError as err:
             self.up = False
             self.errors += 1
@@ -46,9 +47,7 @@ class ShmCollector:
         self.up = True
         self._logs.cleared("statvfs", "shm metrics: %s readable again", self.path)
         values = {
-            c.SHM_SIZE: st.f_blocks * st.f_frsize,
-            c.SHM_USED: (st.f_blocks - st.f_bfree) * st.f_frsize,
-            c.SHM_FREE: st.f_bavail * st.f_frsize,
+            c.SHM_SIZE: space.size, c.SHM_USED: space.used, c.SHM_FREE: space.free,
         }
         for metric, value in values.items():
             fam = cast(GaugeMetricFamily, family(metric))

@@ -1,7 +1,0 @@
-"""python -m exporter: the dataloader-exporter command."""
-
-import sys
-
-from exporter.cli import main
-
-sys.exit(main())

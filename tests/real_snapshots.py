@@ -1,0 +1,50 @@
+"""Real trainer snapshot files, written by instrument's own SnapshotWriter."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from helpers import SleepDataset
+from prometheus_client import CollectorRegistry
+
+import instrument
+from instrument.hub import hub_for
+
+# (loader name, num_workers); 0 workers gives a file without per-worker series.
+Loaders = Sequence[tuple[str, int]]
+
+
+def real_snapshot(rank: str = "0", loaders: Loaders = (("t", 2),), batches: int = 4,
+                  to_device_first: str | None = None) -> bytes:
+    """What a trainer process of `rank` running `loaders` writes to its snapshot file.
+
+    to_device_first names a loader whose to_device() runs before it is ever iterated
+    (its recorder then exists without a configuration, as in a real program).
+    """
+    saved = os.environ.get("RANK")
+    os.environ["RANK"] = rank
+    logging.getLogger("instrument").setLevel(logging.ERROR)  # no advice in test logs
+    try:
+        registry = CollectorRegistry()
+        for name, workers in loaders:
+            loader = instrument.DataLoader(SleepDataset(batches), batch_size=1, name=name,
+                                           num_workers=workers, registry=registry)
+            if name == to_device_first:
+                loader.to_device(SleepDataset(1)[0][0], "cpu")
+                continue
+            for x, _ in loader:
+                loader.to_device(x, "cpu")
+        with tempfile.TemporaryDirectory() as directory:
+            writer = hub_for(registry).write_snapshots(directory, interval=3600)
+            writer.close()  # stops the thread after one last write
+            return Path(writer.path).read_bytes()
+    finally:
+        logging.getLogger("instrument").setLevel(logging.NOTSET)
+        if saved is None:
+            os.environ.pop("RANK", None)
+        else:
+            os.environ["RANK"] = saved

@@ -1,0 +1,518 @@
+"""Snapshot files are untrusted input: what the trainer collector reads, skips and deletes."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import parse, small_tmpfs
+from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
+from real_snapshots import real_snapshot
+
+from exporter import catalogue as cat
+from exporter import exposition
+from exporter.collectors import snapshot
+from exporter.collectors.snapshot import Rejected
+from exporter.collectors.supervisor import Supervisor
+from exporter.collectors.trainer import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_SERIES,
+    TrainerCollector,
+    default_remove_after,
+)
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+SECRET = "API_TOKEN=hunter2"
+T0 = (cat.BATCHES.name, (("loader", "t"), ("rank", "0")))
+BATCHES_LINE = b'dataloader_batches_total{loader="t",rank="0"} 4.0\n'
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def good() -> bytes:
+    """A real snapshot: loader t of rank 0 with 2 workers, 4 batches."""
+    return real_snapshot("0", (("t", 2),))
+
+
+@pytest.fixture(scope="module")
+def two_loaders() -> bytes:
+    """A real snapshot of rank 1 with loaders t (2 workers) and v (none)."""
+    return real_snapshot("1", (("t", 2), ("v", 0)))
+
+
+def served(collector: TrainerCollector) -> tuple[Samples, str]:
+    """One scrape in each format; the strict OpenMetrics parser must accept it."""
+    registry = CollectorRegistry()
+    registry.register(Supervisor([collector]))
+    text = exposition.text(registry.collect()).decode()
+    om = exposition.openmetrics(registry.collect()).decode()
+    assert list(openmetrics_families(om))
+    return parse(text), text + om
+
+
+def rejected(samples: Samples, reason: str) -> float:
+    return samples[(cat.SNAPSHOT_ERRORS.name, (("reason", reason),))]
+
+
+def intact(samples: Samples, good: bytes) -> bool:
+    """Every series of the good file is served with its value, and no other of its loader."""
+    mine = parse(good.decode())
+    theirs = {k: v for k, v in samples.items() if ("rank", "0") in k[1]}
+    return theirs == mine
+
+
+def write(path: Path, data: bytes, age: float = 0.0, mtime: float | None = None) -> Path:
+    path.write_bytes(data)
+    when = time.time() - age if mtime is None else mtime
+    os.utime(path, (when, when))
+    return path
+
+
+def promptly(fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+    """fn() in a thread; fails (rather than hangs) if it is still blocked at the deadline."""
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), "blocked"
+    return result[0]
+
+
+def reason_of(fn: Callable[[], Any]) -> str:
+    with pytest.raises(Rejected) as e:
+        fn()
+    return e.value.reason
+
+
+def load_reason(data: bytes) -> str:
+    """Why snapshot.load rejects data (fails the test if it accepts them)."""
+    return reason_of(lambda: snapshot.load(data, DEFAULT_MAX_SERIES))
+
+
+def test_a_fifo_named_like_a_snapshot_never_blocks_a_scrape(tmp_path: Path,
+                                                             good: bytes) -> None:
+    write(tmp_path / "good.prom", good)
+    os.mkfifo(tmp_path / "x.prom")
+    samples, _ = promptly(lambda: served(TrainerCollector(str(tmp_path))))
+    assert intact(samples, good)
+    assert rejected(samples, snapshot.NOT_REGULAR) == 1
+    # Swapped in between the listing and the open: opened without blocking, then refused.
+    reason = promptly(lambda: reason_of(lambda: snapshot.read(str(tmp_path / "x.prom"), 100)))
+    assert reason == snapshot.NOT_REGULAR
+
+
+def test_directories_sockets_and_devices_named_like_snapshots_are_skipped(
+        tmp_path: Path, good: bytes) -> None:
+    write(tmp_path / "good.prom", good)
+    (tmp_path / "dir.prom").mkdir()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock.prom"))
+    devices = 0
+    try:
+        os.mknod(tmp_path / "null.prom", stat.S_IFCHR | 0o600, os.makedev(1, 3))
+        devices = 1
+    except PermissionError:
+        pass  # making a device needs root
+    try:
+        samples, _ = served(TrainerCollector(str(tmp_path)))
+    finally:
+        sock.close()
+    assert intact(samples, good)
+    assert rejected(samples, snapshot.NOT_REGULAR) == 2 + devices
+    assert samples[(cat.SNAPSHOT_FILES.name, (("state", "fresh"),))] == 1
+    assert reason_of(lambda: snapshot.read(str(tmp_path / "dir.prom"), 100)) == (
+        snapshot.NOT_REGULAR)
+
+
+def test_a_symlink_to_a_secret_outside_the_directory_is_neither_read_nor_quoted(
+        tmp_path: Path, good: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    (tmp_path / "secret.env").write_text(SECRET + "\n")
+    (metrics / "x.prom").symlink_to(tmp_path / "secret.env")
+    write(metrics / "good.prom", good)
+    samples, exposed = served(TrainerCollector(str(metrics)))
+    assert intact(samples, good)
+    assert rejected(samples, snapshot.NOT_REGULAR) == 1
+    assert "hunter2" not in exposed
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "hunter2" in m or "API_TOKEN" in m]
+    assert [m for m in messages if "'x.prom'" in m and snapshot.NOT_REGULAR in m]
+    # Swapped in between the listing and the open: O_NOFOLLOW refuses it.
+    assert reason_of(lambda: snapshot.read(str(metrics / "x.prom"), 100)) == (
+        snapshot.NOT_REGULAR)
+
+
+def test_a_symlink_is_not_followed_even_to_a_snapshot_inside_the_directory(
+        tmp_path: Path, good: bytes) -> None:
+    write(tmp_path / "real.txt", good)
+    (tmp_path / "link.prom").symlink_to("real.txt")
+    samples, _ = served(TrainerCollector(str(tmp_path)))
+    assert T0 not in samples
+    assert rejected(samples, snapshot.NOT_REGULAR) == 1
+
+
+@pytest.mark.parametrize("content", [
+    SECRET.encode() + b"\n",
+    b"# HELP API_TOKEN_hunter2 x\n# TYPE API_TOKEN_hunter2 gauge\nAPI_TOKEN_hunter2 1\n",
+    b"API_TOKEN_hunter2 1\n",
+    b"# TYPE dataloader_batches_total hunter2\n",
+    b'dataloader_batches_total{loader="API_TOKEN=hunter2\x01",rank="0"} 1\n',
+    b"API_TOKEN=hunter2\xff\xfe\n",
+    b"# HELP dataloader_info API_TOKEN=hunter2\n",
+], ids=["text", "family", "sample", "type", "label", "binary", "help"])
+def test_no_part_of_a_rejected_file_reaches_the_logs_or_the_exposition(
+        tmp_path: Path, good: bytes, content: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    write(tmp_path / "good.prom", good)
+    write(tmp_path / "bad.prom", content)
+    samples, exposed = served(TrainerCollector(str(tmp_path)))
+    assert intact(samples, good)
+    assert rejected(samples, snapshot.MALFORMED) + rejected(samples, snapshot.INVALID) == 1
+    assert "hunter2" not in exposed
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if "'bad.prom'" in m]
+    assert not [m for m in messages if "hunter2" in m or "API_TOKEN" in m]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode")
+def test_an_unreadable_file_is_skipped_and_counted(tmp_path: Path, good: bytes) -> None:
+    write(tmp_path / "good.prom", good)
+    write(tmp_path / "locked.prom", good.replace(b'rank="0"', b'rank="3"')).chmod(0)
+    samples, _ = served(TrainerCollector(str(tmp_path)))
+    assert intact(samples, good)
+    assert rejected(samples, snapshot.UNREADABLE) == 1
+
+
+def test_a_file_cut_at_any_line_boundary_is_rejected_whole(two_loaders: bytes) -> None:
+    lines = two_loaders.splitlines(keepends=True)
+    for n in range(len(lines)):
+        assert load_reason(b"".join(lines[:n])) in (snapshot.MALFORMED, snapshot.INVALID), n
+    for n in range(0, len(two_loaders), 7):  # and, sampled, at byte boundaries
+        assert load_reason(two_loaders[:n]) in (snapshot.MALFORMED, snapshot.INVALID), n
+    assert snapshot.load(two_loaders, DEFAULT_MAX_SERIES).series == len(
+        parse(two_loaders.decode()))
+
+
+def test_a_newer_file_cut_before_its_inf_bucket_leaves_the_good_file_whole(
+        tmp_path: Path, good: bytes) -> None:
+    write(tmp_path / "good.prom", good, age=5)
+    cut = good[:good.index(b'le="+Inf"')].rsplit(b"\n", 1)[0] + b"\n"
+    write(tmp_path / "restarted.prom", cut)  # newer, same (loader, rank)
+    samples, _ = served(TrainerCollector(str(tmp_path)))
+    assert intact(samples, good)
+    assert rejected(samples, snapshot.INVALID) == 1
+
+
+def test_a_foreign_file_declaring_a_catalogue_name_with_another_type_is_rejected(
+        tmp_path: Path, good: bytes) -> None:
+    write(tmp_path / "good.prom", good, age=5)
+    write(tmp_path / "foreign.prom", b"# HELP dataloader_batches_total x\n"
+          b"# TYPE dataloader_batches_total gauge\n"
+          b'dataloader_batches_total{loader="t",rank="0"} 1e9\n'
+          b'dataloader_batches_total{loader="t",rank="9"} 5\n')
+    retyped = good.replace(b"# TYPE dataloader_batches_total counter",
+                           b"# TYPE dataloader_batches_total gauge")
+    write(tmp_path / "retyped.prom", retyped.replace(b'rank="0"', b'rank="8"'))
+    samples, _ = served(TrainerCollector(str(tmp_path)))
+    assert intact(samples, good)
+    assert not [k for k in samples if ("rank", "9") in k[1] or ("rank", "8") in k[1]]
+    assert rejected(samples, snapshot.INVALID) == 2
+
+
+def without(prefix: bytes, count: int = 1) -> Callable[[bytes], bytes]:
+    """An edit that drops the first `count` lines starting with prefix."""
+    def edit(data: bytes) -> bytes:
+        lines, dropped = [], 0
+        for line in data.splitlines(keepends=True):
+            if dropped < count and line.startswith(prefix):
+                dropped += 1
+                continue
+            lines.append(line)
+        assert dropped == count
+        return b"".join(lines)
+    return edit
+
+
+def replace(old: bytes, new: bytes, count: int = 1) -> Callable[[bytes], bytes]:
+    def edit(data: bytes) -> bytes:
+        assert old in data
+        return data.replace(old, new, count)
+    return edit
+
+
+def value_of(prefix: bytes, new: bytes) -> Callable[[bytes], bytes]:
+    """An edit that sets the value of the first line starting with prefix."""
+    def edit(data: bytes) -> bytes:
+        at = data.index(prefix)
+        end = data.index(b"\n", at)
+        head = data[at:end].rsplit(b" ", 1)[0]
+        return data[:at] + head + b" " + new + data[end:]
+    return edit
+
+
+TIME = b"dataloader_time_seconds"
+FETCH = b'loader="t",phase="fetch",rank="0"}'
+EDITS = {
+    "unknown family": (replace(b"dataloader_batch_bytes", b"dataloader_batch_octets", -1),
+                       "not a trainer metric"),
+    "another type": (replace(b"_batches_total counter", b"_batches_total gauge"),
+                     "is not a counter"),
+    "duplicate series": (replace(BATCHES_LINE, BATCHES_LINE * 2), "twice"),
+    "extra label": (replace(b'dataloader_batches_total{loader="t",rank="0"}',
+                            b'dataloader_batches_total{loader="t",rank="0",x="1"}'),
+                    "label names"),
+    "negative counter": (value_of(b"dataloader_batches_total{", b"-1.0"), "counter negative"),
+    "NaN counter": (value_of(b"dataloader_batches_total{", b"NaN"), "not finite"),
+    "infinite counter": (value_of(b"dataloader_batches_total{", b"+Inf"), "not finite"),
+    "no +Inf bucket": (replace(TIME + b'_bucket{le="+Inf",' + FETCH,
+                               TIME + b'_bucket{le="100.0",' + FETCH), "buckets differ"),
+    "foreign bucket": (replace(TIME + b'_bucket{le="0.001",', TIME + b'_bucket{le="0.002",'),
+                       "buckets differ"),
+    "+Inf line gone": (without(TIME + b'_bucket{le="+Inf"'), "incomplete"),
+    "_sum gone": (without(b"dataloader_step_seconds_sum"), "incomplete"),
+    "_count twice": (replace(b"dataloader_step_seconds_sum", b"dataloader_step_seconds_count"),
+                     "_sum missing"),
+    "count mismatch": (value_of(TIME + b"_count{" + FETCH, b"5.0"), "_count"),
+    "not cumulative": (value_of(TIME + b'_bucket{le="1e-05",' + FETCH, b"99.0"),
+                       "not cumulative"),
+    "fractional bucket": (value_of(TIME + b'_bucket{le="1e-05",' + FETCH, b"0.5"),
+                          "whole numbers"),
+    "negative sum": (value_of(b"dataloader_step_seconds_sum", b"-1.0"), "_sum"),
+    "one phase": (replace(b'phase="transfer"', b'phase="xfer"', -1), "one fetch"),
+    "phantom loader": (replace(BATCHES_LINE, BATCHES_LINE.replace(b'"0"', b'"7"')),
+                       "without all of its"),
+    "worker missing": (without(b"dataloader_worker_heartbeat_timestamp_seconds{"),
+                       "different workers"),
+    "info missing": (without(b"dataloader_info{"), "dataloader_info"),
+    "created sample": (replace(BATCHES_LINE, BATCHES_LINE + BATCHES_LINE.replace(
+        b"_total", b"_created")), "sample outside its family"),
+    "timestamp": (replace(BATCHES_LINE, BATCHES_LINE.replace(b" 4.0", b" 4.0 17000000")),
+                  "not the text exposition format"),
+    "comment": (replace(BATCHES_LINE, BATCHES_LINE + b"# a comment\n"), "comment lines"),
+    "blank line": (replace(BATCHES_LINE, BATCHES_LINE + b"\n"), "not the text exposition"),
+    "more families": (lambda g: g + b"# HELP x y\n# TYPE x gauge\n" * 20, "comment lines"),
+}
+
+
+@pytest.mark.parametrize("case", EDITS)
+def test_a_file_that_is_not_exactly_what_the_writer_writes_is_rejected(good: bytes,
+                                                                      case: str) -> None:
+    edit, detail = EDITS[case]
+    with pytest.raises(Rejected) as e:
+        snapshot.load(edit(good), DEFAULT_MAX_SERIES)
+    assert detail in e.value.detail
+    assert e.value.reason in (snapshot.INVALID, snapshot.MALFORMED)
+
+
+@pytest.mark.parametrize("data", [
+    b"x " + b"1" * 1_000_000 + b"y\n",
+    b"x " + b"1" * 500_000 + b"." + b"1" * 500_000 + b"e\n",
+    b"x{" + b"}" * 1_000_000 + b" 1y\n",
+    b"x{" + b"} 1" * 300_000 + b"y\n",
+    b"a" * 1_000_000 + b"\n",
+    b'x{a="' + b"\\\\" * 500_000 + b"} 1\n",
+    b"# HELP x y\n# TYPE x gauge\n" * 50_000,
+], ids=["digits", "decimal", "braces", "brace-numbers", "name", "escapes", "families"])
+def test_a_long_line_or_file_that_is_not_the_format_is_rejected_without_backtracking(
+        data: bytes) -> None:
+    # The deadline is for a hang: a backtracking pattern took 5 s on 16,000 digits.
+    assert promptly(lambda: load_reason(data), timeout=30) in (
+        snapshot.MALFORMED, snapshot.INVALID)
+
+
+def test_real_snapshots_of_every_shape_are_accepted(good: bytes, two_loaders: bytes) -> None:
+    shapes = [good, two_loaders, real_snapshot("2", (("a", 0), ("b", 1)), to_device_first="b"),
+              real_snapshot("3", ())]
+    for data in shapes:
+        assert snapshot.load(data, DEFAULT_MAX_SERIES).series == len(parse(data.decode()))
+
+
+def test_files_over_the_size_bound_are_skipped_and_never_read_whole(
+        tmp_path: Path, good: bytes) -> None:
+    write(tmp_path / "good.prom", good)
+    with open(tmp_path / "huge.prom", "wb") as f:
+        f.truncate(1 << 30)  # 1 GiB, sparse
+    samples, _ = served(TrainerCollector(str(tmp_path)))
+    assert intact(samples, good)
+    assert rejected(samples, snapshot.TOO_LARGE) == 1
+    (tmp_path / "huge.prom").unlink()
+    exact = TrainerCollector(str(tmp_path), max_file_bytes=len(good))
+    assert served(exact)[0][T0] == 4
+    under = TrainerCollector(str(tmp_path), max_file_bytes=len(good) - 1)
+    samples, _ = served(under)
+    assert T0 not in samples and rejected(samples, snapshot.TOO_LARGE) == 1
+    assert 20 * len(good) <= DEFAULT_MAX_FILE_BYTES
+    if Path("/proc/self/status").exists():  # its stat says 0 bytes: the read is bounded
+        assert reason_of(lambda: snapshot.read("/proc/self/status", 16)) == snapshot.TOO_LARGE
+
+
+def test_files_with_more_series_than_the_bound_are_skipped(tmp_path: Path,
+                                                           good: bytes) -> None:
+    write(tmp_path / "good.prom", good)
+    count = len(parse(good.decode()))
+    assert served(TrainerCollector(str(tmp_path), max_series=count))[0][T0] == 4
+    samples, _ = served(TrainerCollector(str(tmp_path), max_series=count - 1))
+    assert T0 not in samples and rejected(samples, snapshot.TOO_MANY_SERIES) == 1
+    assert 20 * count <= DEFAULT_MAX_SERIES
+
+
+def test_a_bad_file_is_counted_and_logged_once_per_version_however_often_it_is_scraped(
+        tmp_path: Path, good: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    write(tmp_path / "good.prom", good)
+    bad = write(tmp_path / "bad.prom", b"garbage\n")
+    write(tmp_path / "worse.prom", b"# TYPE x counter\n")
+    collector = TrainerCollector(str(tmp_path), clock=clock)
+    registry = CollectorRegistry()
+    registry.register(Supervisor([collector]))
+
+    def errors() -> tuple[float | None, float | None, float | None]:
+        return (registry.get_sample_value(cat.SNAPSHOT_ERRORS.name, {"reason": "malformed"}),
+                registry.get_sample_value(cat.COLLECTOR_ERRORS.name, {"collector": "trainer"}),
+                registry.get_sample_value(cat.BATCHES.name, {"loader": "t", "rank": "0"}))
+
+    for _ in range(10):
+        assert errors() == (2, 2, 4)
+    clock.now += 2
+    write(bad, b"garbage, rewritten\n")  # a new version, still bad
+    for _ in range(10):
+        assert errors() == (3, 3, 4)
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(logged) == 2  # one per file
+    assert any("'bad.prom'" in m for m in logged) and any("'worse.prom'" in m for m in logged)
+    write(bad, good.replace(b'rank="0"', b'rank="5"'))  # fixed ...
+    assert errors() == (3, 3, 4)
+    write(bad, b"garbage once more\n")  # ... and broken again: logged again
+    assert errors() == (4, 4, 4)
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 3
+
+
+def rewrite_in_place(path: Path, data: bytes) -> None:
+    """New content under the same stamp: same inode, size and modification time."""
+    st = path.stat()
+    assert len(data) == st.st_size
+    with open(path, "r+b") as f:
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_an_unchanged_file_is_neither_read_nor_parsed_again(tmp_path: Path,
+                                                            good: bytes) -> None:
+    path = write(tmp_path / "a.prom", good)
+    collector = TrainerCollector(str(tmp_path))
+    assert served(collector)[0][T0] == 4
+    rewrite_in_place(path, good.replace(BATCHES_LINE, BATCHES_LINE.replace(b"4.0", b"5.0")))
+    assert served(collector)[0][T0] == 4  # the verdict on this (inode, mtime, size)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1))
+    assert served(collector)[0][T0] == 5
+    # A bad file likewise: its verdict stands (and is not counted again) until it changes.
+    rewrite_in_place(path, good.replace(BATCHES_LINE, BATCHES_LINE.replace(b"4.0", b"x.0")))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1))
+    samples, _ = served(collector)
+    assert T0 not in samples and rejected(samples, snapshot.MALFORMED) == 1
+    rewrite_in_place(path, good)
+    samples, _ = served(collector)
+    assert T0 not in samples and rejected(samples, snapshot.MALFORMED) == 1
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1))
+    assert served(collector)[0][T0] == 4
+
+
+def test_a_thousand_restarts_leave_only_recent_files_in_the_directory_and_the_caches(
+        tmp_path: Path, good: bytes) -> None:
+    clock = Clock()
+    start = clock.now
+    collector = TrainerCollector(str(tmp_path), stale_after=30, clock=clock)
+    assert collector.remove_after == 600
+    for restart in range(1000):
+        # Each restart is a new process with a new file; one in a hundred is killed
+        # mid-write and leaves write_to_textfile's temporary file behind.
+        when = start + restart * 10
+        write(tmp_path / f"host-{restart}-a1b2c3d4.prom", good, mtime=when)
+        if restart % 100 == 0:
+            write(tmp_path / f"host-{restart}-a1b2c3d4.prom.{restart}.1", good[:99],
+                  mtime=when)
+        clock.now = when
+        families = list(collector.collect())
+        assert len(os.listdir(tmp_path)) <= 62  # 600 s of files, 10 s apart, and one more
+        assert len(collector._verdicts) <= 4  # the fresh ones: 30 s of files
+    batches = [s for f in families for s in f.samples if s.name == cat.BATCHES.name]
+    assert [(s.labels, s.value) for s in batches] == [({"loader": "t", "rank": "0"}, 4)]
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        f"host-{r}-a1b2c3d4.prom" for r in range(939, 1000))  # 600 s old at most
+    assert sorted(collector._verdicts) == sorted(
+        str(tmp_path / f"host-{r}-a1b2c3d4.prom") for r in range(996, 1000))  # 30 s
+    assert collector.errors == 0 and not collector._logged
+
+
+
+
+@contextlib.contextmanager
+def read_only_directory(path: Path, fill: Callable[[Path], None]) -> Iterator[Path]:
+    """A directory filled, then made read-only: a read-only tmpfs for root (whom file
+    modes do not stop), mode 555 for anyone else."""
+    if os.geteuid() != 0:
+        path.mkdir()
+        fill(path)
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+        return
+    with small_tmpfs(path, "8m") as mnt:
+        fill(mnt)
+        if subprocess.run(["mount", "-o", "remount,ro", str(mnt)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("cannot remount read-only")
+        yield mnt
+
+
+def test_old_files_that_cannot_be_deleted_are_logged_once_and_never_fail_a_scrape(
+        tmp_path: Path, good: bytes, two_loaders: bytes,
+        caplog: pytest.LogCaptureFixture) -> None:
+    def fill(directory: Path) -> None:
+        write(directory / "old.prom", good, age=3600)
+        write(directory / "current.prom", two_loaders)
+
+    with read_only_directory(tmp_path / "metrics", fill) as directory:
+        collector = TrainerCollector(str(directory))
+        for _ in range(3):
+            samples, _ = served(collector)
+            assert samples[(cat.BATCHES.name, (("loader", "v"), ("rank", "1")))] == 4
+            assert samples[(cat.COLLECTOR_UP.name, (("collector", "trainer"),))] == 1
+            assert samples[(cat.SNAPSHOT_FILES.name, (("state", "stale"),))] == 1
+            assert T0 not in samples
+        assert (directory / "old.prom").exists()
+    assert len([r for r in caplog.records if "cannot delete" in r.getMessage()]) == 1
+
+
+def test_files_are_deleted_after_ten_times_stale_after_and_never_sooner_than_ten_minutes(
+        ) -> None:
+    assert default_remove_after(30) == 600
+    assert default_remove_after(1) == 600
+    assert default_remove_after(120) == 1200
+    assert TrainerCollector("unused", stale_after=60).remove_after == 600
+    with pytest.raises(ValueError):
+        TrainerCollector("unused", stale_after=60, remove_after=30)
