@@ -7,10 +7,12 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 RUN python -m venv /opt/venv
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY dataloader_exporter ./dataloader_exporter
 COPY exporter ./exporter
+COPY diagnosis ./diagnosis
 COPY instrument ./instrument
 COPY dashboards ./dashboards
-# The base install only: prometheus_client, nvidia-ml-py, psutil (no torch extra).
+# The base install only: prometheus_client, nvidia-ml-py, psutil, PyYAML, bcrypt (no torch).
 RUN /opt/venv/bin/pip install .
 
 FROM python:3.11-slim
@@ -23,6 +25,8 @@ RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin expo
     && mkdir -p /run/dataloader-exporter
 USER 10001
 EXPOSE 9478
+# /-/healthy over plain HTTP; with a --web.config.file (TLS, basic auth) in the variable,
+# only that the port accepts connections (the compose override checks /-/healthy itself).
 HEALTHCHECK --interval=15s --timeout=3s --start-period=5s \
-    CMD ["python", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:9478/-/healthy', timeout=2)"]
+    CMD ["python", "-c", "import os, socket, urllib.request as u; socket.create_connection(('127.0.0.1', 9478), 2).close() if os.environ.get('DATALOADER_EXPORTER_WEB_CONFIG_FILE') else u.urlopen('http://127.0.0.1:9478/-/healthy', timeout=2)"]
 ENTRYPOINT ["dataloader-exporter", "serve"]

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
-CODE := exporter instrument dashboards
+CODE := dataloader_exporter exporter diagnosis instrument dashboards
 
 .PHONY: demo test lint typecheck unit prometheus bench clean
 
@@ -47,4 +47,4 @@ clean:
 # Regenerate the committed Grafana dashboards, provisioning and Prometheus rules.
 .PHONY: dashboards
 dashboards: $(STAMP)
-	$(PY) -m exporter dashboards --out deploy
+	$(PY) -m dataloader_exporter dashboards --out deploy

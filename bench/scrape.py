@@ -219,7 +219,7 @@ def real_cli(directory: str, plan: Plan) -> CliRun:
     body, rss = b"", 0.0
     for i in range(plan.cli_starts):
         port = free_port()
-        proc = Served([sys.executable, "-m", "exporter", "serve", "--no-collector.gpu",
+        proc = Served([sys.executable, "-m", "dataloader_exporter", "serve", "--no-collector.gpu",
                        f"--web.listen-address=127.0.0.1:{port}", f"--metrics-dir={directory}",
                        f"--stale-after={STALE_AFTER}"], port)
         try:

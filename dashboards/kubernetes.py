@@ -104,7 +104,9 @@ def sidecar() -> dict[str, Any]:
             "privileged": False, "capabilities": {"drop": ["ALL"]},
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "volumeMounts": [{"name": SNAPSHOTS, "mountPath": METRICS_DIR, "readOnly": True},
+        # Read-write: the sidecar deletes snapshot files left by restarted trainers long
+        # after they went stale (--collector.trainer.remove-after), or the emptyDir fills.
+        "volumeMounts": [{"name": SNAPSHOTS, "mountPath": METRICS_DIR},
                          {"name": SHM, "mountPath": "/dev/shm", "readOnly": True}],
     }
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from exporter.machine import Machine
-from exporter.signals import LoaderSignals
+from diagnosis.machine import Machine
+from diagnosis.signals import LoaderSignals
 
 INPUT_BOUND = 0.20
 MODERATE = 0.05

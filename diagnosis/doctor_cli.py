@@ -8,20 +8,20 @@ import sys
 import time
 from collections.abc import Callable
 
-from exporter import promsource
-from exporter.doctor import Report, diagnose
-from exporter.machine import local_machine
-from exporter.signals import Scrape, Window, loaders
+from diagnosis import promsource
+from diagnosis.doctor import Report, diagnose
+from diagnosis.machine import local_machine
+from diagnosis.signals import Scrape, Window, loaders
 
 EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_UNREADABLE = 0, 1, 2
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("doctor", help="diagnose the input pipeline and say what to change",
-                       description="Reads the metrics twice (--url) or over a time range "
-                                   "(--prometheus), adds this machine's facts, and prints a "
-                                   "diagnosis per loader and rank. Exit status: 0 healthy, "
-                                   "1 problems found, 2 the metrics could not be read.")
+DESCRIPTION = ("Reads the metrics twice (--url) or over a time range (--prometheus), adds "
+               "this machine's facts, and prints a diagnosis per loader and rank. Exit "
+               "status: 0 healthy, 1 problems found, 2 the metrics could not be read.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", help="an exporter's /metrics URL (scraped twice)")
     src.add_argument("--prometheus", metavar="URL", help="a Prometheus server's base URL")

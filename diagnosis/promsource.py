@@ -6,8 +6,8 @@ import json
 import urllib.parse
 import urllib.request
 
+from diagnosis.signals import Labels, Series, Window
 from exporter import catalogue as cat
-from exporter.signals import Labels, Series, Window
 
 # Counters and histogram parts read as increases; everything else as latest values.
 _INCREASE = [cat.TIME, cat.STEP, cat.BATCHES, cat.SAMPLES, cat.EPOCHS, cat.TRANSFER_BYTES,

@@ -92,7 +92,6 @@ class LoaderSignals:
 
     loader: str
     rank: str
-    instance: str = ""
     seconds: float = 0.0
     fetch_seconds: float = 0.0
     step_seconds: float = 0.0
@@ -207,7 +206,6 @@ def _signals(w: Window, loader: str, rank: str) -> LoaderSignals:
         if n == cat.INFO.name and dict(labels).get("loader") == loader and (
                 dict(labels).get("rank") == rank):
             s.config = {k: v for k, v in labels if k not in ("loader", "rank")}
-            s.instance = dict(labels).get("instance", "")
     shm = [(dict(labels).get("path", ""), v) for (n, labels), v in last.items()
            if n == cat.SHM_SIZE.name]
     if shm:

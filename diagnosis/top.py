@@ -9,17 +9,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import curses
+import sys
 import time
 from collections.abc import Sequence
+from typing import TextIO
 
-from exporter.signals import LoaderSignals, Scrape, Window, loaders
+from diagnosis.signals import LoaderSignals, Scrape, Window, loaders
 
 HEADER = (f"{'LOADER':<16} {'RANK':>4} {'STALL':>6} {'FETCH P95':>10} {'BATCH/S':>8} "
           f"{'SAMPLE/S':>9} {'WORKERS':>8} {'SHM':>5} {'GPU':>5}")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("top", help="live terminal view of an exporter's DataLoader metrics")
+DESCRIPTION = ("A live terminal view of an exporter's DataLoader metrics, from successive "
+               "scrapes of its /metrics (needs a terminal; `dataloader-exporter doctor` "
+               "prints a report anywhere).")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="an exporter's /metrics URL")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between scrapes")
 
@@ -81,9 +87,14 @@ def _loop(screen: curses.window, url: str, interval: float) -> None:
             return
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, stdin: TextIO = sys.stdin,
+        stdout: TextIO = sys.stdout) -> int:
     if args.interval <= 0:
-        print("dataloader-exporter top: --interval must be positive")
+        print("dataloader-exporter top: --interval must be positive", file=sys.stderr)
+        return 2
+    if not (stdin.isatty() and stdout.isatty()):
+        print("dataloader-exporter top: needs a terminal; without one, use "
+              f"`dataloader-exporter doctor --url {args.url}`", file=sys.stderr)
         return 2
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C quits like q
         curses.wrapper(_loop, args.url, args.interval)

@@ -10,7 +10,9 @@ RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install numpy
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY dataloader_exporter ./dataloader_exporter
 COPY exporter ./exporter
+COPY diagnosis ./diagnosis
 COPY instrument ./instrument
 COPY dashboards ./dashboards
 RUN /opt/venv/bin/pip install ".[torch]"

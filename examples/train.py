@@ -17,7 +17,7 @@ import torch
 from prometheus_client import generate_latest
 
 import instrument
-from exporter.signals import Scrape, Window, loaders
+from diagnosis.signals import Scrape, Window, loaders
 from instrument.demo import NoisyImages, model, train_step
 
 

@@ -241,18 +241,6 @@ def series_names(metric: Metric) -> tuple[str, ...]:
     return (metric.name,)
 
 
-def lookup(sample_name: str) -> Metric | None:
-    """The catalogue entry a scraped sample name belongs to, or None."""
-    if sample_name in BY_NAME:
-        return BY_NAME[sample_name]
-    for suffix in ("_bucket", "_sum", "_count", "_created"):
-        if sample_name.endswith(suffix):
-            base = BY_NAME.get(sample_name[: -len(suffix)])
-            if base is not None and (base.type == HISTOGRAM or suffix == "_created"):
-                return base
-    return None
-
-
 def markdown_table(source: str | None = None) -> str:
     """The README's metric table, generated so it cannot drift from the code."""
     rows = ["| name | type | labels | meaning |", "|---|---|---|---|"]

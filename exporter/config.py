@@ -15,6 +15,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from exporter.collectors.trainer import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_SERIES,
+    DEFAULT_STALE_AFTER,
+    default_remove_after,
+)
+from exporter.facts.shm import SHM_PATH
 from exporter.http import Limits
 
 if TYPE_CHECKING:
@@ -22,7 +29,6 @@ if TYPE_CHECKING:
 
 DEFAULT_PORT = 9478
 DEFAULT_ADDRESS = f":{DEFAULT_PORT}"
-DEFAULT_STALE_AFTER = 30.0
 COLLECTORS = ("trainer", "gpu", "shm", "host")
 LOG_LEVELS = ("debug", "info", "warn", "error")
 ENV_PREFIX = "DATALOADER_EXPORTER_"
@@ -50,6 +56,9 @@ class Config:
     limits: Limits = field(default_factory=Limits)
     web_config_file: str | None = None
     web: WebConfig | None = None  # loaded and checked from web_config_file
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    max_series: int = DEFAULT_MAX_SERIES
+    remove_after: float | None = None  # None: default_remove_after(stale_after)
 
     @property
     def listen_address(self) -> str:
@@ -85,6 +94,21 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stale-after", dest="stale_after", metavar="SECONDS",
                         help=f"drop snapshot files not rewritten for this long (default "
                              f"{DEFAULT_STALE_AFTER:g}; env {ENV_PREFIX}STALE_AFTER)")
+    parser.add_argument("--collector.trainer.max-file-bytes", dest="max_file_bytes",
+                        metavar="BYTES",
+                        help=f"skip (and count) snapshot files larger than this (default "
+                             f"{DEFAULT_MAX_FILE_BYTES}; env "
+                             f"{ENV_PREFIX}COLLECTOR_TRAINER_MAX_FILE_BYTES)")
+    parser.add_argument("--collector.trainer.max-series", dest="max_series", metavar="N",
+                        help=f"skip (and count) snapshot files with more series (default "
+                             f"{DEFAULT_MAX_SERIES}; env "
+                             f"{ENV_PREFIX}COLLECTOR_TRAINER_MAX_SERIES)")
+    parser.add_argument("--collector.trainer.remove-after", dest="remove_after",
+                        metavar="DURATION",
+                        help="delete snapshot files not rewritten for this long, or 'never' "
+                             f"(default: 10 x --stale-after, at least "
+                             f"{default_remove_after(0):g}s; env "
+                             f"{ENV_PREFIX}COLLECTOR_TRAINER_REMOVE_AFTER)")
     parser.add_argument("--log.level", dest="log_level", metavar="LEVEL",
                         help=f"one of {', '.join(LOG_LEVELS)} (default info; "
                              f"env {ENV_PREFIX}LOG_LEVEL)")
@@ -178,6 +202,30 @@ def build(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
                             "whole number")
     limits = Limits(max_connections, read_header, idle, defaults.write_timeout)
 
+    def count(attr: str, var: str, flag: str, default: int) -> int:
+        text = pick(attr, var)
+        if text is None:
+            return default
+        if text.strip().isdigit() and int(text) > 0:
+            return int(text)
+        problems.append(f"{flag} {text!r}: must be a positive whole number")
+        return default
+
+    max_file_bytes = count("max_file_bytes", "COLLECTOR_TRAINER_MAX_FILE_BYTES",
+                           "--collector.trainer.max-file-bytes", DEFAULT_MAX_FILE_BYTES)
+    max_series = count("max_series", "COLLECTOR_TRAINER_MAX_SERIES",
+                       "--collector.trainer.max-series", DEFAULT_MAX_SERIES)
+    remove_text = pick("remove_after", "COLLECTOR_TRAINER_REMOVE_AFTER")
+    remove_after: float | None = None
+    if remove_text is not None and remove_text.strip().lower() == "never":
+        remove_after = float("inf")
+    elif remove_text is not None:
+        remove_after = seconds("remove_after", "COLLECTOR_TRAINER_REMOVE_AFTER",
+                               "--collector.trainer.remove-after", stale_after)
+        if remove_after < stale_after:
+            problems.append(f"--collector.trainer.remove-after {remove_text!r}: must not be "
+                            f"shorter than --stale-after ({stale_after:g}s)")
+
     web_file = pick("web_config_file", "WEB_CONFIG_FILE") or None
     web = None
     if web_file is not None:
@@ -193,7 +241,7 @@ def build(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
         problems.append(f"--log.level {level!r}: must be one of {', '.join(LOG_LEVELS)}")
 
     metrics_dir = getattr(args, "metrics_dir", None) or env.get(ENV_DIR) or None
-    shm_path = pick("shm_path", "SHM_PATH") or "/dev/shm"
+    shm_path = pick("shm_path", "SHM_PATH") or SHM_PATH
 
     enabled = set()
     for name in COLLECTORS:
@@ -223,7 +271,7 @@ def build(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
     if problems:
         raise ConfigError(problems)
     return Config(host, port, metrics_dir, shm_path, frozenset(enabled), stale_after, level,
-                  limits, web_file, web)
+                  limits, web_file, web, max_file_bytes, max_series, remove_after)
 
 
 def logging_level(name: str) -> int:

@@ -28,7 +28,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import CollectorRegistry
 
@@ -79,7 +79,7 @@ def connection_cap(limits: Limits) -> int:
 class _Conn:
     __slots__ = ("busy", "last", "transport")
 
-    def __init__(self, transport: asyncio.BaseTransport) -> None:
+    def __init__(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         self.busy = False
         self.last = time.monotonic()
@@ -109,7 +109,7 @@ class _Server:
         self.web = web
         self.executor = ThreadPoolExecutor(4, thread_name_prefix="dataloader-exporter-scrape")
         self.flight = SingleFlight(registry, self.executor)
-        self.conns: dict[asyncio.BaseTransport, _Conn] = {}
+        self.conns: dict[asyncio.Transport, _Conn] = {}
         self.index = _INDEX.format(version=__version__).encode()
         self.extra_headers = "".join(f"{k}: {v}\r\n" for k, v in (web.headers.items()
                                                                     if web else ()))
@@ -129,9 +129,9 @@ class _Server:
 
     async def connection(self, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> None:
-        conn = _Conn(writer.transport)
+        conn = _Conn(cast(asyncio.Transport, writer.transport))
         if not self._admit(conn):
-            writer.transport.abort()  # every slot is busy answering: refuse
+            conn.transport.abort()  # every slot is busy answering: refuse
             return
         try:
             wait = self.limits.read_header_timeout

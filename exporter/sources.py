@@ -9,9 +9,10 @@ from .collectors.gpu import GpuCollector
 from .collectors.host import HostCollector
 from .collectors.shm import ShmCollector
 from .collectors.supervisor import Supervisor
+from .facts.shm import SHM_PATH
 
 
-def system_sources(shm_path: str = "/dev/shm", gpu: bool = True, shm: bool = True,
+def system_sources(shm_path: str = SHM_PATH, gpu: bool = True, shm: bool = True,
                    host: bool = True) -> list[SourceCollector]:
     """The GPU, shm and host collectors that were asked for."""
     sources: list[SourceCollector] = []

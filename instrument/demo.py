@@ -23,9 +23,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import instrument
-from exporter.doctor import Diagnosis, diagnose
-from exporter.machine import local_machine
-from exporter.signals import Scrape, Window, loaders
+from diagnosis.doctor import Diagnosis, diagnose
+from diagnosis.machine import local_machine
+from diagnosis.signals import Scrape, Window, loaders
 
 BATCH = 32
 WORK = 8  # filter passes per sample: about 1.2 ms of CPU, close to a step's cost per sample
@@ -144,6 +144,20 @@ def table(results: list[Result]) -> str:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True))
                      for row in rows)
+
+
+DESCRIPTION = ("A starved and a tuned CPU training run, side by side, with the doctor's "
+               "advice applied between them (needs the torch extra).")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--duration", type=float, default=60.0,
+                   help="seconds of training in all, split between the two runs (default 60)")
+    p.add_argument("--port", type=int, default=9478,
+                   help="serve /metrics on 127.0.0.1:PORT meanwhile (0: any free port)")
+    p.add_argument("--samples", type=int, default=1024, help="samples per epoch")
+    p.add_argument("--keep-serving", action="store_true",
+                   help="keep serving /metrics after the runs, until Ctrl-C")
 
 
 def run(args: argparse.Namespace) -> int:

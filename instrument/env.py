@@ -1,13 +1,8 @@
-"""Facts about where the loader runs: rank, cores, /dev/shm."""
+"""Where the loader runs: its rank (machine facts live in exporter.facts)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-
-import psutil
-
-SHM_PATH = "/dev/shm"
 
 
 def current_rank() -> str:
@@ -21,27 +16,6 @@ def current_rank() -> str:
         pass
     rank = os.environ.get("RANK", "").strip()
     return rank if rank.isdigit() else "0"
-
-
-def physical_cores() -> int:
-    """Physical cores (logical when psutil cannot tell), at least 1."""
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
-@dataclass(frozen=True)
-class ShmSpace:
-    path: str
-    size: int
-    free: int
-
-
-def shm_space(path: str = SHM_PATH) -> ShmSpace | None:
-    """Size and free bytes of the shared-memory filesystem, None if unreadable."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return ShmSpace(path, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
 
 
 def human_bytes(n: float) -> str:

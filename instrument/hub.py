@@ -21,16 +21,15 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, write_to_textfile
 
 from exporter.collectors.supervisor import Supervisor
+from exporter.facts.shm import SHM_PATH
 from exporter.http import ServerHandle
 from exporter.http import serve as http_serve
 from exporter.sources import attach, system_sources
 
-from .env import SHM_PATH
 from .recorder import LoaderCollector, LoaderRecorder
 
 log = logging.getLogger("instrument")
 
-ENV_DIR = "DATALOADER_EXPORTER_DIR"
 SNAPSHOT_INTERVAL = 1.0
 
 

@@ -19,10 +19,12 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.data
 
+from exporter.config import ENV_DIR
+
 from . import compat
 from .batch import batch_len, batch_nbytes, move
 from .env import current_rank
-from .hub import ENV_DIR, Hub, hub_for
+from .hub import Hub, hub_for
 from .preflight import LoaderConfig, Preflight
 from .recorder import LoaderRecorder
 from .workers import TimedCollate, new_block

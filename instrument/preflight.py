@@ -12,9 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from exporter.doctor import SHM_SAFETY, shm_in_flight, shm_size_advice
+from diagnosis.doctor import SHM_SAFETY, shm_in_flight, shm_size_advice
+from exporter.facts.cores import physical_cores
+from exporter.facts.shm import SHM_PATH, ShmSpace, shm_space
 
-from .env import SHM_PATH, ShmSpace, human_bytes, physical_cores, shm_space
+from .env import human_bytes
 
 log = logging.getLogger("instrument")
 

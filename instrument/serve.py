@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
+from exporter.facts.shm import SHM_PATH
 from exporter.http import ServerHandle
 
-from .env import SHM_PATH
 from .hub import hub_for
 
 

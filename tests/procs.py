@@ -136,7 +136,7 @@ def scalar(result: list[dict[str, Any]]) -> float:
 
 
 class Exporter:
-    """`python -m exporter serve` as a real process; knows the URL it listens on."""
+    """`python -m dataloader_exporter serve` as a real process; knows the URL it listens on."""
 
     LISTENING = re.compile(r"listening on (https?://\S+)")
 
@@ -144,7 +144,8 @@ class Exporter:
                  python: str = sys.executable, cwd: Path = REPO,
                  max_files: int | None = None) -> None:
         self.lines: list[str] = []
-        argv = [python, "-m", "exporter", "serve", "--web.listen-address=127.0.0.1:0", *args]
+        argv = [python, "-m", "dataloader_exporter", "serve",
+                "--web.listen-address=127.0.0.1:0", *args]
         if max_files is not None:  # a descriptor limit, as a small container may have
             argv = ["prlimit", f"--nofile={max_files}", "--", *argv]
         self.proc = subprocess.Popen(

@@ -39,10 +39,3 @@ def test_no_metric_name_is_typed_outside_the_catalogue() -> None:
 def test_readme_metric_table_is_the_generated_one() -> None:
     readme = (REPO / "README.md").read_text()
     assert cat.markdown_table() in readme, "regenerate with: python -m exporter.catalogue"
-
-
-def test_lookup_maps_series_names_back_to_the_catalogue() -> None:
-    assert cat.lookup("dataloader_time_seconds_bucket") is cat.TIME
-    assert cat.lookup(cat.BATCHES.name) is cat.BATCHES
-    assert cat.lookup("dataloader_batches_total_bucket") is None
-    assert cat.lookup("no_such_metric") is None

@@ -210,7 +210,7 @@ def test_the_overview_has_every_panel_the_issue_asks_for() -> None:
 
 # --- the committed output ----------------------------------------------------------------------
 def test_the_committed_deploy_files_are_the_generated_ones(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "exporter", "dashboards", "--out",
+    result = subprocess.run([sys.executable, "-m", "dataloader_exporter", "dashboards", "--out",
                              str(tmp_path)], capture_output=True, text=True, cwd=REPO,
                             timeout=120)
     assert result.returncode == 0, result.stderr
@@ -258,7 +258,7 @@ def test_the_compose_stack_mounts_what_is_generated_where_grafana_looks() -> Non
         build.SCRAPE_INTERVAL
 
 
-def test_the_exporter_package_does_not_import_grafanalib() -> None:
-    code = ("import sys, exporter.cli, exporter.catalogue; "
+def test_the_serve_command_does_not_import_grafanalib() -> None:
+    code = ("import sys, dataloader_exporter.cli, exporter.command, exporter.catalogue; "
             "sys.exit('grafanalib' in sys.modules or 'dashboards' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0

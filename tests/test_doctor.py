@@ -19,9 +19,10 @@ from procs import REPO, Prometheus
 from prometheus_client import CollectorRegistry
 
 import instrument
-from exporter.doctor import diagnose
-from exporter.machine import Machine, storage_kind
-from exporter.signals import LoaderSignals, quantile
+from diagnosis.doctor import diagnose
+from diagnosis.machine import Machine
+from diagnosis.signals import LoaderSignals, quantile
+from exporter.facts.storage import storage_kind
 
 INTERVAL = 1.5
 TOP_KEYS = {"healthy", "machine", "loaders", "source"}
@@ -31,9 +32,9 @@ LOADER_KEYS = {"loader", "rank", "verdict", "figures", "findings", "recommendati
 def doctor(url: str, train: Callable[[], None], *extra: str) -> tuple[int, dict[str, Any]]:
     """Starts `doctor --format json` and trains in this (main) thread meanwhile."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "exporter", "doctor", "--url", url, "--interval", str(INTERVAL),
-         "--format", "json", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, cwd=REPO)
+        [sys.executable, "-m", "dataloader_exporter", "doctor", "--url", url,
+         "--interval", str(INTERVAL), "--format", "json", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     train()
     out, err = proc.communicate(timeout=60)
     assert proc.returncode in (0, 1), err
@@ -156,7 +157,7 @@ def test_a_killed_worker_is_reported_as_lost(served: tuple[CollectorRegistry, st
 
 
 def test_unreadable_metrics_exit_two() -> None:
-    result = subprocess.run([sys.executable, "-m", "exporter", "doctor", "--url",
+    result = subprocess.run([sys.executable, "-m", "dataloader_exporter", "doctor", "--url",
                              "http://127.0.0.1:9/metrics", "--interval", "0.1"],
                             capture_output=True, text=True, timeout=30, cwd=REPO)
     assert result.returncode == 2 and "cannot read the metrics" in result.stderr
@@ -164,7 +165,7 @@ def test_unreadable_metrics_exit_two() -> None:
 
 def test_metrics_without_loaders_exit_two(served: tuple[CollectorRegistry, str]) -> None:
     _, url = served
-    result = subprocess.run([sys.executable, "-m", "exporter", "doctor", "--url", url,
+    result = subprocess.run([sys.executable, "-m", "dataloader_exporter", "doctor", "--url", url,
                              "--interval", "0.1"], capture_output=True, text=True, timeout=30,
                             cwd=REPO)
     assert result.returncode == 2 and "no DataLoader metrics" in result.stderr
@@ -188,7 +189,7 @@ def test_the_doctor_reads_a_time_range_from_prometheus(
                 break
         train_for(loader, 2.0)
         result = subprocess.run(
-            [sys.executable, "-m", "exporter", "doctor", "--prometheus", prometheus.url,
+            [sys.executable, "-m", "dataloader_exporter", "doctor", "--prometheus", prometheus.url,
              "--range", "60", "--match", 'test="doctor"', "--format", "json"],
             capture_output=True, text=True, timeout=60, cwd=REPO)
     finally:

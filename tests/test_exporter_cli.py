@@ -16,11 +16,13 @@ from procs import REPO, Exporter, http_get
 
 from exporter import catalogue as cat
 from exporter import config
-from exporter.cli import _parser
+from exporter.collectors import trainer
 
 
 def build(*argv: str, env: dict[str, str] | None = None) -> config.Config:
-    args, unknown = _parser().parse_known_args(["serve", *argv])
+    parser = argparse.ArgumentParser()
+    config.add_flags(parser)
+    args, unknown = parser.parse_known_args(list(argv))
     assert not unknown
     return config.build(args, env or {})
 
@@ -32,7 +34,7 @@ def problems(*argv: str, env: dict[str, str] | None = None) -> list[str]:
 
 
 def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "exporter", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dataloader_exporter", *argv], capture_output=True,
                           text=True, timeout=30, cwd=REPO, env={**os.environ, **(env or {})})
 
 
@@ -60,6 +62,12 @@ def test_environment_variables_configure_and_flags_win(tmp_path: Path) -> None:
                 env={"DATALOADER_EXPORTER_WEB_READ_HEADER_TIMEOUT": "3s"})
     assert cfg.stale_after == 120 and cfg.limits.idle_timeout == 0.5
     assert (cfg.limits.max_connections, cfg.limits.read_header_timeout) == (7, 3.0)
+    assert (cfg.max_file_bytes, cfg.max_series, cfg.remove_after) == (
+        trainer.DEFAULT_MAX_FILE_BYTES, trainer.DEFAULT_MAX_SERIES, None)
+    cfg = build("--collector.trainer.max-file-bytes=1000", "--collector.trainer.max-series=9",
+                env={"DATALOADER_EXPORTER_COLLECTOR_TRAINER_REMOVE_AFTER": "never"})
+    assert (cfg.max_file_bytes, cfg.max_series, cfg.remove_after) == (1000, 9, float("inf"))
+    assert build("--collector.trainer.remove-after=1h").remove_after == 3600
 
 
 @pytest.mark.parametrize(("argv", "env", "expected"), [
@@ -75,6 +83,10 @@ def test_environment_variables_configure_and_flags_win(tmp_path: Path) -> None:
     (["--web.idle-timeout=0s"], {}, "--web.idle-timeout '0s': must be a positive duration"),
     ([], {"DATALOADER_EXPORTER_WEB_READ_HEADER_TIMEOUT": "fast"}, "positive duration"),
     (["--web.max-connections=0"], {}, "positive whole number"),
+    (["--collector.trainer.max-series=lots"], {}, "positive whole number"),
+    ([], {"DATALOADER_EXPORTER_COLLECTOR_TRAINER_MAX_FILE_BYTES": "-1"}, "whole number"),
+    (["--stale-after=60", "--collector.trainer.remove-after=30s"], {},
+     "must not be shorter than --stale-after (60s)"),
     (["--web.config.file=/no/such/web.yml"], {}, "--web.config.file"),
     (["--log.level=loud"], {}, "must be one of debug, info, warn, error"),
     ([], {"DATALOADER_EXPORTER_COLLECTOR_SHM": "maybe"}, "must be true or false"),
@@ -107,7 +119,7 @@ def test_a_metrics_dir_that_is_a_file_is_rejected(tmp_path: Path) -> None:
 def test_an_unreadable_metrics_dir_is_rejected_with_exit_status_2(tmp_path: Path) -> None:
     locked = tmp_path / "locked"
     locked.mkdir(mode=0)
-    argv = [sys.executable, "-m", "exporter", "serve", f"--metrics-dir={locked}"]
+    argv = [sys.executable, "-m", "dataloader_exporter", "serve", f"--metrics-dir={locked}"]
     if os.geteuid() == 0:  # root reads everything: drop the capabilities that allow it
         setpriv = shutil.which("setpriv")
         if setpriv is None:
@@ -177,7 +189,8 @@ def test_help_names_every_flag() -> None:
     for flag in ("--web.listen-address", "--metrics-dir", "--shm-path", "--stale-after",
                  "--log.level", "--collector.gpu", "--no-collector.gpu", "--collector.trainer",
                  "--web.config.file", "--web.max-connections", "--web.read-header-timeout",
-                 "--web.idle-timeout"):
+                 "--web.idle-timeout", "--collector.trainer.max-file-bytes",
+                 "--collector.trainer.max-series", "--collector.trainer.remove-after"):
         assert flag in out
 
 

@@ -6,7 +6,16 @@ import subprocess
 from pathlib import Path
 
 from helpers import SleepDataset
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Enum,
+    Gauge,
+    Histogram,
+    Info,
+    Summary,
+    generate_latest,
+)
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 
@@ -33,6 +42,13 @@ def busy_registry(tmp_path: Path) -> CollectorRegistry:
         'x"y').inc(3)
     Gauge("plain_big", "Big values.", registry=plain).set(1.5e17)
     Histogram("plain_wait_seconds", "A histogram.", registry=plain).observe(0.3)
+    # What a user's own registry may also hold, served in-process beside the loaders'.
+    Info("plain_build", "Build facts.", registry=plain).info({"version": "1"})
+    Enum("plain_state", "A state.", states=["a", "b"], registry=plain).state("b")
+    Summary("plain_latency_seconds", "A summary.", registry=plain).observe(0.2)
+    Gauge("plain_temperature", "With a unit.", unit="celsius", registry=plain).set(21)
+    Counter("plain_hits", "With an exemplar.", registry=plain).inc(
+        exemplar={"trace_id": "abc"})
     reg.register(_Both(plain))
     return reg
 

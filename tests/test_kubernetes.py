@@ -323,7 +323,7 @@ def test_trainer_and_sidecar_share_the_snapshot_dir_and_a_sized_dev_shm(
     snapshots = named(trainer["volumeMounts"], kubernetes.SNAPSHOTS)
     assert snapshots["mountPath"] == env["DATALOADER_EXPORTER_DIR"] == kubernetes.METRICS_DIR
     assert not snapshots.get("readOnly")
-    assert named(side["volumeMounts"], kubernetes.SNAPSHOTS)["readOnly"] is True
+    assert not named(side["volumeMounts"], kubernetes.SNAPSHOTS).get("readOnly")  # it deletes
     assert f"--metrics-dir={snapshots['mountPath']}" in side["args"]
     for c in (trainer, side):
         assert named(c["volumeMounts"], kubernetes.SHM)["mountPath"] == "/dev/shm"

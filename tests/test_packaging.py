@@ -1,12 +1,16 @@
-"""The sidecar image's recipe, and a torch-free install of the exporter that serves."""
+"""The sidecar image's recipe, and each extra installed alone in a fresh venv: the base
+(the sidecar, no torch), dashboards, and torch, each running the commands it enables
+and saying which extra the others need."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import venv
 from pathlib import Path
 
+import pytest
 from procs import REPO, Exporter
 
 from exporter import catalogue as cat
@@ -41,22 +45,78 @@ def test_the_image_installs_no_torch_and_copies_only_files_that_exist() -> None:
             assert (REPO / src).exists(), src
 
 
-def test_a_torch_free_install_runs_the_sidecar(tmp_path: Path) -> None:
-    env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
-    python = str(env_dir / "bin" / "python")
-    subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                    str(REPO)], check=True, timeout=300, cwd=tmp_path)
-    probe = subprocess.run([python, "-c", "import torch"], capture_output=True, cwd=tmp_path)
+PIP = ("-m", "pip", "install", "--quiet", "--disable-pip-version-check")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project built once as a wheel, for every fresh venv below."""
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
+                    "--disable-pip-version-check", "-w", str(out), str(REPO)], check=True,
+                   timeout=300, cwd=out)
+    return next(out.glob("dataloader_exporter-*.whl"))
+
+
+def fresh_venv(directory: Path, *requirements: str) -> Path:
+    venv.create(directory, with_pip=True)
+    python = directory / "bin" / "python"
+    subprocess.run([str(python), *PIP, *requirements], check=True, timeout=600,
+                   cwd=directory.parent)
+    return python
+
+
+def command(python: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """The installed console script, run from outside the sources."""
+    return subprocess.run([str(python.parent / "dataloader-exporter"), *argv],
+                          capture_output=True, text=True, cwd=python.parent.parent.parent,
+                          timeout=300)
+
+
+def test_a_torch_free_install_runs_the_sidecar_and_names_the_extras_it_lacks(
+        tmp_path: Path, wheel: Path) -> None:
+    python = fresh_venv(tmp_path / "venv", str(wheel))
+    probe = subprocess.run([str(python), "-c", "import torch"], capture_output=True,
+                           cwd=tmp_path)
     assert probe.returncode != 0, "the base install must not bring torch"
-    (tmp_path / "metrics").mkdir()
-    script = env_dir / "bin" / "dataloader-exporter"
-    version = subprocess.run([str(script), "--version"], capture_output=True, text=True,
-                             cwd=tmp_path, timeout=60)
+    version = command(python, "--version")
     assert version.returncode == 0 and "dataloader-exporter" in version.stdout
+    for name, extra in (("demo", "torch"), ("dashboards", "dashboards")):
+        result = command(python, name)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert f"pip install 'dataloader-exporter[{extra}]'" in result.stderr
+    assert command(python, "doctor", "--help").returncode == 0
+    # --web.config.file needs PyYAML and bcrypt: the base install has them.
+    (tmp_path / "web.yml").write_text("basic_auth_users: {}\n")
+    (tmp_path / "metrics").mkdir()
     # Run from a directory without the sources, so the installed package is what runs.
-    exp = Exporter(f"--metrics-dir={tmp_path / 'metrics'}", python=python, cwd=tmp_path)
+    exp = Exporter(f"--metrics-dir={tmp_path / 'metrics'}",
+                   f"--web.config.file={tmp_path / 'web.yml'}", python=str(python),
+                   cwd=tmp_path)
     try:
         assert cat.COLLECTOR_UP.name in exp.metrics()
     finally:
         assert exp.stop() == 0
+
+
+def test_the_dashboards_extra_alone_writes_the_dashboards(tmp_path: Path, wheel: Path) -> None:
+    python = fresh_venv(tmp_path / "venv", f"{wheel}[dashboards]")
+    result = command(python, "dashboards", "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "grafana" / "dashboards" / "dataloader-overview.json").exists()
+    assert (tmp_path / "out" / "prometheus" / "rules.yml").exists()
+
+
+def test_the_torch_extra_alone_runs_an_instrumented_loader(tmp_path: Path, wheel: Path) -> None:
+    # torch first and pinned, as the README says: an unpinned one pulls a CUDA build.
+    import torch
+
+    python = fresh_venv(tmp_path / "venv", f"torch=={torch.__version__.split('+')[0]}")
+    subprocess.run([str(python), *PIP, f"{wheel}[torch]"], check=True, timeout=600,
+                   cwd=tmp_path)
+    code = ("import instrument; dl = instrument.DataLoader(list(range(6)), batch_size=2); "
+            "print(sum(len(b) for b in dl))")
+    result = subprocess.run([str(python), "-c", code], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "6", result.stderr
+    assert command(python, "demo", "--help").returncode == 0

@@ -9,7 +9,8 @@ from helpers import SleepDataset
 from prometheus_client import CollectorRegistry
 
 import instrument
-from instrument.env import ShmSpace, physical_cores
+from exporter.facts.cores import physical_cores
+from exporter.facts.shm import ShmSpace
 from instrument.preflight import LoaderConfig, Preflight, shm_needed, shm_size_advice
 
 MiB = 1024**2
@@ -87,7 +88,7 @@ def test_batches_that_would_overflow_shm_warn_with_the_numbers_and_the_fix(
                                    registry=registry)
     # A Docker-default 64 MiB /dev/shm, mostly full, injected (this machine's is 24 GB).
     loader._dle.preflight = Preflight(
-        "t", shm_probe=lambda p: ShmSpace(p, 64 * MiB, 16 * MiB))
+        "t", shm_probe=lambda p: ShmSpace(p, 64 * MiB, 48 * MiB, 16 * MiB))
     run(loader, 2)
     shm = [w for w in warnings_of(caplog) if "bus error" in w]
     assert len(shm) == 1
@@ -104,7 +105,8 @@ def test_batches_that_fit_in_shm_do_not_warn(registry: CollectorRegistry,
                                              caplog: pytest.LogCaptureFixture) -> None:
     loader = instrument.DataLoader(SleepDataset(8, width=1024), batch_size=4, num_workers=2,
                                    persistent_workers=True, name="t", registry=registry)
-    loader._dle.preflight = Preflight("t", shm_probe=lambda p: ShmSpace(p, 64 * MiB, 60 * MiB))
+    loader._dle.preflight = Preflight(
+        "t", shm_probe=lambda p: ShmSpace(p, 64 * MiB, 4 * MiB, 60 * MiB))
     run(loader)
     assert warnings_of(caplog) == []
 

@@ -18,8 +18,8 @@ from procs import REPO
 from prometheus_client import CollectorRegistry
 
 import instrument
-from exporter import top
-from exporter.signals import Scrape, Window, loaders
+from diagnosis import top
+from diagnosis.signals import Scrape, Window, loaders
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def test_top_draws_in_a_terminal_and_quits_cleanly(
     for _ in loader:
         pass
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "exporter", "top", "--url", url,
+    proc = subprocess.Popen([sys.executable, "-m", "dataloader_exporter", "top", "--url", url,
                              "--interval", "0.3"], stdin=follower, stdout=follower,
                             stderr=follower, cwd=REPO, start_new_session=True,
                             env={**os.environ, "TERM": "xterm", "LINES": "24", "COLUMNS": "100"})
@@ -91,9 +91,9 @@ def test_top_draws_in_a_terminal_and_quits_cleanly(
 
 
 def test_the_demo_runs_both_configurations_and_reports_a_speed_up() -> None:
-    result = subprocess.run([sys.executable, "-m", "exporter", "demo", "--duration", "10",
-                             "--port", "0", "--samples", "256"], capture_output=True,
-                            text=True, timeout=180, cwd=REPO)
+    result = subprocess.run([sys.executable, "-m", "dataloader_exporter", "demo",
+                             "--duration", "10", "--port", "0", "--samples", "256"],
+                            capture_output=True, text=True, timeout=180, cwd=REPO)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for row in ("input stall share", "samples/s", "epoch time", "time to first batch",
@@ -102,3 +102,12 @@ def test_the_demo_runs_both_configurations_and_reports_a_speed_up() -> None:
     assert "num_workers=0" in out and "input-bound" in out
     speedup = float(re.search(r"speed-up: ([\d.]+)x", out).group(1))  # type: ignore[union-attr]
     assert speedup > 1.0, out
+
+
+def test_top_without_a_terminal_exits_2_with_one_line_pointing_at_the_doctor() -> None:
+    result = subprocess.run([sys.executable, "-m", "dataloader_exporter", "top", "--url",
+                             "http://127.0.0.1:9/metrics"], stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "doctor" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""

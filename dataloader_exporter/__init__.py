@@ -1,0 +1,1 @@
+"""The `dataloader-exporter` command line: one table of commands, each loaded when used."""
