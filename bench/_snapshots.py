@@ -26,7 +26,9 @@ def write_rank_files(directory: Path, ranks: int = 8, loaders: Sequence[str] = L
     import instrument
 
     # Preflight advice ("num_workers=0 ...") is meant for users, not for this benchmark.
-    logging.getLogger("instrument").setLevel(logging.ERROR)
+    quiet = logging.getLogger("instrument")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     data = torch.arange(batches * 4 * 2, dtype=torch.float32).reshape(batches * 4, 2)
     dataset = torch.utils.data.TensorDataset(data)
     paths = []
@@ -47,6 +49,7 @@ def write_rank_files(directory: Path, ranks: int = 8, loaders: Sequence[str] = L
             os.replace(tmp, path)
             paths.append(path)
     finally:
+        quiet.setLevel(level)
         if saved is None:
             os.environ.pop("RANK", None)
         else:
