@@ -233,7 +233,7 @@ def real_cli(directory: str, plan: Plan) -> CliRun:
                   percentile(times, 99), series(body), rss)
 
 
-def report(fake: FakeGpuRun, cli: CliRun, ld: LoadRun, quick: bool) -> bool:
+def report(fake: FakeGpuRun, cli: CliRun, ld: LoadRun, quick: bool, loaders: int) -> bool:
     fg, rc = "(fake 8 GPUs)", "(real CLI, no gpu)"
     lc = f"({ld.clients} clients)"
     rows: list[tuple[str, str, str, bool | None]] = [
@@ -278,7 +278,7 @@ def report(fake: FakeGpuRun, cli: CliRun, ld: LoadRun, quick: bool) -> bool:
     print("real CLI start-ups: " + ", ".join(f"{s:.3f} s" for s in cli.startup_runs_s))
     passed = all(ok for *_, ok in rows if ok is not None)
     print(json.dumps(rounded({"bench": "scrape", "quick": quick, "ranks": RANKS,
-                              "loaders": len(LOADERS), "gpus": GPUS, "pass": passed,
+                              "loaders": loaders, "gpus": GPUS, "pass": passed,
                               "fake_gpu": asdict(fake), "real_cli": asdict(cli),
                               "load": asdict(ld)}),
                      sort_keys=True), flush=True)
@@ -308,12 +308,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer scrapes and starts")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
+    parser.add_argument("--loaders", type=int, default=len(LOADERS), choices=(1, 2, 3, 4),
+                        help=f"loaders per rank (default {len(LOADERS)})")
     args = parser.parse_args()
     plan = PLANS[args.quick]
     with tempfile.TemporaryDirectory(prefix="scrape-bench-") as directory:
-        files = clone_ranks(write_rank_files(Path(directory), WRITTEN, LOADERS), RANKS)
+        loaders = LOADERS[:args.loaders]
+        files = clone_ranks(write_rank_files(Path(directory), WRITTEN, loaders), RANKS)
         size = sum(p.stat().st_size for p in files)
-        print(f"{len(files)} snapshot files ({RANKS} ranks x {len(LOADERS)} loaders), "
+        print(f"{len(files)} snapshot files ({RANKS} ranks x {len(loaders)} loaders), "
               f"{size} B in all; {GPUS} fake GPUs", flush=True)
         stop = threading.Event()
         toucher = threading.Thread(target=_rewrite_every_second, args=(files, stop))
@@ -324,7 +327,7 @@ def main() -> int:
         finally:
             stop.set()
             toucher.join()
-    ok = report(fake, cli, ld, args.quick)
+    ok = report(fake, cli, ld, args.quick, args.loaders)
     return 1 if args.strict and not ok else 0
 
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric as Family
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -32,7 +34,7 @@ def _escape_value(v: str) -> str:
     return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def _float(d: float) -> str:
+def float_text(d: float) -> str:
     """Go's float formatting, as prometheus_client's floatToGoString writes it."""
     if d == math.inf:
         return "+Inf"
@@ -56,6 +58,30 @@ def _labels(labels: dict[str, str], cache: dict[tuple[tuple[str, str], ...], str
     if text is None:
         text = cache[key] = "{" + ",".join(f'{k}="{_escape_value(v)}"' for k, v in key) + "}"
     return text
+
+
+class EncodedFamily(Family):
+    """A counter, gauge or histogram whose sample lines are written already (the same
+    lines in both formats), as chunks of text. Its samples are parsed back only if
+    something asks for them (a test's get_sample_value): scrapes never do."""
+
+    def __init__(self, name: str, documentation: str, typ: str, chunks: list[str]) -> None:
+        self.chunks = chunks
+        self._parsed: list[Sample] | None = None
+        super().__init__(name, documentation, typ)
+
+    @property
+    def samples(self) -> list[Sample]:
+        if self._parsed is None:
+            suffix = "_total" if self.type == "counter" else ""
+            text = f"# TYPE {self.name}{suffix} {self.type}\n" + "".join(self.chunks)
+            self._parsed = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        return self._parsed
+
+    @samples.setter
+    def samples(self, value: list[Sample]) -> None:
+        if value:
+            raise AttributeError("an EncodedFamily's samples are its chunks")
 
 
 class _One:
@@ -82,7 +108,8 @@ def text(families: Iterable[Family]) -> bytes:
     out: list[str] = []
     cache: dict[tuple[tuple[str, str], ...], str] = {}
     for metric in families:
-        if not _fast(metric):
+        encoded = isinstance(metric, EncodedFamily)
+        if not encoded and not _fast(metric):
             out.append(generate_latest(_One(metric)).decode("utf-8"))
             continue
         name, mtype = metric.name, metric.type
@@ -90,6 +117,9 @@ def text(families: Iterable[Family]) -> bytes:
             name += "_total"
         doc = metric.documentation.replace("\\", "\\\\").replace("\n", "\\n")
         out.append(f"# HELP {name} {doc}\n# TYPE {name} {mtype}\n")
+        if encoded:
+            out.extend(cast(EncodedFamily, metric).chunks)
+            continue
         created: list[str] = []
         for s in metric.samples:
             line = _sample(s.name, s.labels, s.value, s.timestamp, cache, 1000)
@@ -109,8 +139,8 @@ def _sample(name: str, labels: dict[str, str], value: float, timestamp: Any,
     ts = ""
     if timestamp is not None:
         ts = (f" {int(float(timestamp) * 1000):d}" if ts_scale == 1000
-              else f" {_float(float(timestamp))}")
-    return f"{name}{_labels(labels, cache)} {_float(value)}{ts}\n"
+              else f" {float_text(float(timestamp))}")
+    return f"{name}{_labels(labels, cache)} {float_text(value)}{ts}\n"
 
 
 def openmetrics(families: Iterable[Family]) -> bytes:
@@ -118,7 +148,8 @@ def openmetrics(families: Iterable[Family]) -> bytes:
     out: list[str] = []
     cache: dict[tuple[tuple[str, str], ...], str] = {}
     for metric in families:
-        if not _fast(metric):
+        encoded = isinstance(metric, EncodedFamily)
+        if not encoded and not _fast(metric):
             body = om_generate_latest(_One(metric)).decode("utf-8")
             out.append(body[: -len(_EOF)])
             continue
@@ -126,6 +157,9 @@ def openmetrics(families: Iterable[Family]) -> bytes:
         doc = metric.documentation.replace("\\", "\\\\").replace("\n", "\\n").replace(
             '"', '\\"')
         out.append(f"# HELP {mname} {doc}\n# TYPE {mname} {metric.type}\n")
+        if encoded:
+            out.extend(cast(EncodedFamily, metric).chunks)
+            continue
         for s in metric.samples:
             out.append(_sample(s.name, s.labels, s.value, s.timestamp, cache, 1))
     out.append(_EOF)

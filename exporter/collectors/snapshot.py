@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from prometheus_client.samples import Sample
 
 from exporter import catalogue as cat
+from exporter.exposition import float_text
 
 from .textparse import Labels, ParsedFamily, parse
 
@@ -76,10 +77,12 @@ class Rejected(Exception):
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A validated file: its samples by (loader, rank), then by catalogue name."""
+    """A validated file: its sample lines by (loader, rank), then by catalogue name, as
+    the encoders write them (the same in both formats), joined: encoded once per
+    version of the file, however many scrapes serve it."""
 
     series: int
-    owners: dict[Owner, dict[str, list[Sample]]]
+    owners: dict[Owner, dict[str, str]]
 
 
 def stamp_of(st: os.stat_result) -> Stamp:
@@ -150,6 +153,7 @@ def _invalid(detail: str) -> Rejected:
 def validate(families: list[ParsedFamily]) -> Snapshot:
     """The families as a Snapshot if they are exactly what the writer writes."""
     owners: dict[Owner, dict[str, list[Sample]]] = {}
+    lines: dict[Owner, dict[str, list[str]]] = {}
     series = 0
     for position, fam in enumerate(families, 1):
         shape = _SHAPES.get(fam.name)
@@ -158,15 +162,16 @@ def validate(families: list[ParsedFamily]) -> Snapshot:
         if fam.type != shape.metric.type:
             raise _invalid(f"{shape.metric.name} is not a {shape.metric.type}")
         if fam.type == cat.HISTOGRAM:
-            _histogram(shape, fam, owners)
+            _histogram(shape, fam, owners, lines)
         else:
-            _simple(shape, fam, owners)
+            _simple(shape, fam, owners, lines)
         series += len(fam.samples)
     missing = len(_TRAINER) - len(families)  # the parser refuses a family twice
     if missing:
         raise _invalid(f"{missing} trainer families missing (cut short?)")
     _consistent(owners)
-    return Snapshot(series, owners)
+    return Snapshot(series, {owner: {name: "".join(chunk) for name, chunk in by_family.items()}
+                             for owner, by_family in lines.items()})
 
 
 @dataclass(frozen=True)
@@ -190,13 +195,14 @@ _SHAPES = {name: _Shape.of(m) for name, m in _TRAINER.items()}
 _new = tuple.__new__  # Sample(...) without its Python-level __new__: twice as fast
 
 
-def _simple(shape: _Shape, fam: ParsedFamily,
-            owners: dict[Owner, dict[str, list[Sample]]]) -> None:
+def _simple(shape: _Shape, fam: ParsedFamily, owners: dict[Owner, dict[str, list[Sample]]],
+            lines: dict[Owner, dict[str, list[str]]]) -> None:
     metric, names, li, ri = shape.metric, shape.names, shape.loader, shape.rank
     counter = metric.type == cat.COUNTER
     seen: set[Labels] = set()
     owner: Owner | None = None
     out: list[Sample] = []
+    text: list[str] = []
     for name, labels, value in fam.samples:
         pairs = labels.pairs
         if labels.names != names or pairs in seen:
@@ -208,11 +214,13 @@ def _simple(shape: _Shape, fam: ParsedFamily,
         if owner is None or owner != (pairs[li][1], pairs[ri][1]):
             owner = (pairs[li][1], pairs[ri][1])
             out = owners.setdefault(owner, {}).setdefault(metric.name, [])
+            text = lines.setdefault(owner, {}).setdefault(metric.name, [])
         out.append(_new(Sample, (name, labels.mapping, value, None, None, None)))
+        text.append(f"{name}{labels.text} {float_text(value)}\n")
 
 
-def _histogram(shape: _Shape, fam: ParsedFamily,
-               owners: dict[Owner, dict[str, list[Sample]]]) -> None:
+def _histogram(shape: _Shape, fam: ParsedFamily, owners: dict[Owner, dict[str, list[Sample]]],
+               lines: dict[Owner, dict[str, list[str]]]) -> None:
     metric, names, bounds = shape.metric, shape.names, shape.bounds
     width, with_le, inf = len(bounds) + 2, len(names) + 1, math.inf
     bucket, count, total = (metric.name + s for s in ("_bucket", "_count", "_sum"))
@@ -227,8 +235,9 @@ def _histogram(shape: _Shape, fam: ParsedFamily,
             raise _invalid(f"{metric.name}: label names differ from the catalogue, "
                            "or a series twice")
         seen.add(labels)
-        out = owners.setdefault((labels[shape.loader][1], labels[shape.rank][1]),
-                                {}).setdefault(metric.name, [])
+        owner = (labels[shape.loader][1], labels[shape.rank][1])
+        out = owners.setdefault(owner, {}).setdefault(metric.name, [])
+        text = lines.setdefault(owner, {}).setdefault(metric.name, [])
         previous = 0.0
         for (name, got, value), le in zip(group, bounds, strict=False):
             # The group's labels and one le: exactly the catalogue's label names.
@@ -239,6 +248,7 @@ def _histogram(shape: _Shape, fam: ParsedFamily,
                 raise _invalid(f"{metric.name}: bucket counts not cumulative whole numbers")
             previous = value
             out.append(_new(Sample, (name, got.mapping, value, None, None, None)))
+            text.append(f"{name}{got.text} {float_text(value)}\n")
         (cname, clabels, cvalue), (sname, slabels, svalue) = group[-2:]
         if cname != count or clabels.pairs != labels or cvalue != previous:
             raise _invalid(f"{metric.name}: _count missing or not the +Inf bucket")
@@ -246,6 +256,8 @@ def _histogram(shape: _Shape, fam: ParsedFamily,
             raise _invalid(f"{metric.name}: _sum missing, negative or not finite")
         out.append(_new(Sample, (cname, clabels.mapping, cvalue, None, None, None)))
         out.append(_new(Sample, (sname, slabels.mapping, svalue, None, None, None)))
+        text.append(f"{cname}{clabels.text} {float_text(cvalue)}\n"
+                    f"{sname}{slabels.text} {float_text(svalue)}\n")
 
 
 def _consistent(owners: dict[Owner, dict[str, list[Sample]]]) -> None:

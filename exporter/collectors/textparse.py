@@ -36,9 +36,10 @@ class LabelSet(NamedTuple):
     mapping: dict[str, str]
     le: str  # the value of an le label, "" if none
     rest: Labels  # the pairs without le
+    text: str  # as the encoders write them: sorted, escaped, in braces ("" for none)
 
 
-NO_LABELS = LabelSet((), (), {}, "", ())
+NO_LABELS = LabelSet((), (), {}, "", (), "")
 
 # Possessive quantifiers and atomic groups throughout: a line that fails must fail in
 # time linear in its length (a backtracking "[0-9]+\.?[0-9]*" took 5 s on 16,000 digits).
@@ -87,6 +88,10 @@ def _unescape(value: str) -> str:
     return _ESCAPE.sub(lambda m: _ESCAPES[m.group(0)], value) if "\\" in value else value
 
 
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
 def _labels(text: str) -> LabelSet | None:
     """The labels of a label text, None if it is not one the encoder writes."""
     if _LABEL_TEXT.fullmatch(text) is None:
@@ -96,8 +101,10 @@ def _labels(text: str) -> LabelSet | None:
     names = tuple(k for k, _ in pairs)
     names = _names.setdefault(names, names) if len(_names) < 1000 else names
     le = mapping.get("le", "")
+    encoded = ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
     labels = LabelSet(pairs, names, mapping, le,
-                      tuple(p for p in pairs if p[0] != "le") if le else pairs)
+                      tuple(p for p in pairs if p[0] != "le") if le else pairs,
+                      "{" + encoded + "}" if pairs else "")
     if len(text) <= _CACHE_KEY_MAX:
         if len(_label_cache) >= _CACHE_MAX:
             _label_cache.clear()

@@ -45,9 +45,9 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client.metrics_core import Metric as Family
-from prometheus_client.samples import Sample
 
 from exporter import catalogue as cat
+from exporter.exposition import EncodedFamily
 
 from . import snapshot
 from .base import LogOnce, family
@@ -119,7 +119,7 @@ class TrainerCollector:
         now = self.clock()
         entries = self._list()
         fresh, stale = self._classify(entries, now)
-        merged: dict[str, list[Sample]] = {m.name: [] for m in _TRAINER}
+        merged: dict[str, list[str]] = {m.name: [] for m in _TRAINER}
         claimed: set[Owner] = set()  # (loader, rank) pairs of newer files
         newest = None
         for mtime, name, path, stamp in sorted(fresh, key=lambda f: (f[0], f[1]), reverse=True):
@@ -247,7 +247,7 @@ class TrainerCollector:
         return True
 
 
-def _merge(snap: Snapshot, merged: dict[str, list[Sample]],
+def _merge(snap: Snapshot, merged: dict[str, list[str]],
            claimed: set[Owner]) -> set[Owner]:
     """Adds one file's series unless a newer file has its (loader, rank); returns its own."""
     owners = set()
@@ -255,12 +255,10 @@ def _merge(snap: Snapshot, merged: dict[str, list[Sample]],
         if owner in claimed:
             continue
         owners.add(owner)
-        for name, samples in by_family.items():
-            merged[name].extend(samples)
+        for name, chunk in by_family.items():
+            merged[name].append(chunk)
     return owners
 
 
-def _family(metric: cat.Metric, samples: list[Sample]) -> Family:
-    fam = Family(metric.family, metric.help, metric.type)
-    fam.samples = samples
-    return fam
+def _family(metric: cat.Metric, chunks: list[str]) -> Family:
+    return EncodedFamily(metric.family, metric.help, metric.type, chunks)
