@@ -291,3 +291,24 @@ def test_concurrent_scrapes_join_the_collection_in_flight() -> None:
     assert len(calls) == 2
     assert all(b"answers_total 1.0" in b for b in bodies)
     assert bodies[0] is bodies[2]  # the same format is encoded once per collection
+
+
+def test_a_symlinked_secret_never_reaches_the_log_and_a_bad_file_counts_once(
+        snapshots: Path, tmp_path: Path) -> None:
+    directory = tmp_path / "metrics"
+    directory.mkdir()
+    for path in snapshots.glob("*.prom"):
+        (directory / path.name).write_bytes(path.read_bytes())
+    secret = tmp_path / "secret.env"
+    secret.write_text("API_TOKEN=hunter2\n")
+    (directory / "x.prom").symlink_to(secret)
+    (directory / "y.prom").write_text("API_TOKEN=hunter2\n")  # a regular file, not the format
+    with exporter(*FAST, f"--metrics-dir={directory}", "--log.level=debug") as exp:
+        bodies = [exp.metrics() for _ in range(5)]
+        assert all(cat.BATCHES.name in b and "hunter2" not in b for b in bodies)
+        errors = {s.labels["reason"]: s.value for f in text_string_to_metric_families(bodies[-1])
+                  if f.name == cat.SNAPSHOT_ERRORS.family for s in f.samples}
+        assert errors["not_regular"] == 1 and errors["malformed"] == 1  # once, not per scrape
+    log = "".join(exp.lines)
+    assert "hunter2" not in log and "API_TOKEN" not in log
+    assert "'x.prom'" in log and "'y.prom'" in log  # named, with the reason
