@@ -516,3 +516,18 @@ def test_files_are_deleted_after_ten_times_stale_after_and_never_sooner_than_ten
     assert TrainerCollector("unused", stale_after=60).remove_after == 600
     with pytest.raises(ValueError):
         TrainerCollector("unused", stale_after=60, remove_after=30)
+
+
+def test_bucket_labels_parse_the_same_through_the_le_first_path_and_the_general_one() -> None:
+    from exporter.collectors import textparse
+
+    canonical = 'le="0.25",loader="a\\"b",phase="fetch",rank="3"'
+    moved = 'loader="a\\"b",phase="fetch",rank="3",le="0.25"'  # valid, but le not first
+    head = "# HELP x_seconds X.\n# TYPE x_seconds histogram\n"
+    fast = textparse.parse(f"{head}x_seconds_bucket{{{canonical}}} 1.0\n")[0].samples[0][1]
+    slow = textparse.parse(f"{head}x_seconds_bucket{{{moved}}} 1.0\n")[0].samples[0][1]
+    assert fast == slow and fast.text == "{" + canonical + "}"
+    assert (fast.le, fast.rest, fast.names[0]) == ("0.25", slow.rest, "le")
+    for bad in ('le="0.25",', 'le="0.25",loader=x', 'le="0.25"loader="a"', 'le="1",a="b"x'):
+        with pytest.raises(ValueError):
+            textparse.parse(f"{head}x_seconds_bucket{{{bad}}} 1.0\n")

