@@ -153,7 +153,7 @@ def parse_address(text: str) -> tuple[str, int]:
         host = host[1:-1]
     elif ":" in host:
         raise ValueError(f"listen address {text!r}: put an IPv6 host in brackets")
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+    if not (port_text.isascii() and port_text.isdecimal()) or not 0 <= int(port_text) <= 65535:
         raise ValueError(f"listen address {text!r}: port must be 0-65535")
     if any(c.isspace() for c in host):
         raise ValueError(f"listen address {text!r}: bad host")
@@ -195,7 +195,7 @@ def build(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
     max_conn_text = pick("max_connections", "WEB_MAX_CONNECTIONS")
     max_connections = defaults.max_connections
     if max_conn_text is not None:
-        if max_conn_text.strip().isdigit() and int(max_conn_text) > 0:
+        if max_conn_text.strip().isdecimal() and int(max_conn_text) > 0:
             max_connections = int(max_conn_text)
         else:
             problems.append(f"--web.max-connections {max_conn_text!r}: must be a positive "
@@ -206,7 +206,7 @@ def build(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
         text = pick(attr, var)
         if text is None:
             return default
-        if text.strip().isdigit() and int(text) > 0:
+        if text.strip().isdecimal() and int(text) > 0:
             return int(text)
         problems.append(f"{flag} {text!r}: must be a positive whole number")
         return default

@@ -4,16 +4,20 @@ The exporter listens on 0.0.0.0 by default, so any peer on the network is a clie
 server is one asyncio event loop in one thread (idle connections cost a few KiB, not a
 thread each), with:
 - a cap on open connections (``max_connections``, lowered to fit the process's
-  descriptor limit); a new connection over the cap evicts the connection idle longest,
-  so a Prometheus scrape is served even while idle or slow clients hold every slot;
-- timeouts: the request head must arrive within ``read_header_timeout`` of its first
-  byte (slowloris), a kept-alive connection is closed after ``idle_timeout`` without a
-  request, and a response must be taken within ``write_timeout``;
+  descriptor limit), counted from accept (before any TLS handshake); a new connection
+  over the cap evicts the one idle longest (waiting for a request, or for a client to
+  take its answer), so a Prometheus scrape is served even while idle, slow or
+  non-reading clients hold every slot;
+- timeouts: the request head must arrive within ``read_header_timeout`` (a new
+  connection's TLS handshake too), a kept-alive connection is closed after
+  ``idle_timeout`` without a request, an answer must be taken within ``write_timeout``
+  (else the connection is aborted, never left to linger), and a collection is awaited
+  for the scrape's own timeout (Prometheus's header) or 30 s, then 503;
 - collection in a small thread pool, one collection shared by concurrent scrapes
-  (exporter.scrape.SingleFlight);
+  (exporter.scrape.SingleFlight); bcrypt checks on their own thread, a few at a time
+  (429 beyond), so wrong passwords cannot delay scrapes whose credentials are known;
 - GET and HEAD (headers, no body) on the three paths, 405 with ``Allow`` for other
-  methods, 404 elsewhere; TLS and basic auth from a ``--web.config.file``
-  (exporter.webconfig).
+  methods, 404 elsewhere; TLS and basic auth from a ``--web.config.file``.
 The same server runs in the sidecar and in-process. A factory returns a handle you can
 shut down.
 """
@@ -21,6 +25,7 @@ shut down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 import ssl
@@ -33,6 +38,15 @@ from typing import TYPE_CHECKING, Any, cast
 from prometheus_client import CollectorRegistry
 
 from exporter import __version__
+from exporter.httpwire import (
+    REASONS,
+    TEXT,
+    Reply,
+    Request,
+    accepts,
+    parse_head,
+    response_head,
+)
 from exporter.scrape import SingleFlight, content_type
 
 if TYPE_CHECKING:  # loading a web config (PyYAML, bcrypt) is exporter.webconfig's job
@@ -49,13 +63,13 @@ _INDEX = """<!doctype html>
 _PATHS = ("/metrics", "/", "/-/healthy")
 _METHODS = ("GET", "HEAD")
 _MAX_HEAD = 16 * 1024  # request line and headers; Prometheus sends a few hundred bytes
-_TEXT = "text/plain; charset=utf-8"
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-            405: "Method Not Allowed", 408: "Request Timeout",
-            431: "Request Header Fields Too Large", 500: "Internal Server Error",
-            505: "HTTP Version Not Supported"}
-# Descriptors kept free for everything else (snapshot files, /proc, NVML, logs).
-_RESERVED_FDS = 64
+_RESERVED_FDS = 64  # for everything else: snapshot files, /proc, NVML, logs
+# asyncio accepts up to this many connections in one go (and listens with it): evicted
+# connections give their descriptors back only on the next turn of the loop.
+_ACCEPT_BATCH = 100
+_BCRYPT_QUEUE = 4  # bcrypt checks waiting at most; more get 429
+_COLLECT_TIMEOUT = 30.0  # without Prometheus's X-Prometheus-Scrape-Timeout-Seconds
+_STARTTLS = hasattr(asyncio.StreamWriter, "start_tls")  # Python >= 3.11
 
 
 @dataclass(frozen=True)
@@ -73,32 +87,18 @@ def connection_cap(limits: Limits) -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return limits.max_connections
-    return max(4, min(limits.max_connections, (soft - _RESERVED_FDS) // 2))
+    return max(4, min(limits.max_connections, soft - _RESERVED_FDS - _ACCEPT_BATCH))
 
 
 class _Conn:
+    """One client connection: busy while a request is being answered (not evictable)."""
+
     __slots__ = ("busy", "last", "transport")
 
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
+    def __init__(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
         self.busy = False
         self.last = time.monotonic()
-
-
-@dataclass
-class _Request:
-    method: str
-    path: str
-    headers: dict[str, str]
-    keep_alive: bool
-
-
-class _Reply(Exception):
-    """An early answer to a request that cannot be served (bad request, timeout)."""
-
-    def __init__(self, status: int) -> None:
-        super().__init__(status)
-        self.status = status
 
 
 class _Server:
@@ -107,58 +107,108 @@ class _Server:
         self.limits = limits
         self.cap = connection_cap(limits)
         self.web = web
+        self.tls = web.ssl_context() if web is not None else None
         self.executor = ThreadPoolExecutor(4, thread_name_prefix="dataloader-exporter-scrape")
+        self.bcrypt = ThreadPoolExecutor(1, thread_name_prefix="dataloader-exporter-auth")
+        self.bcrypt_waiting = 0
         self.flight = SingleFlight(registry, self.executor)
-        self.conns: dict[asyncio.Transport, _Conn] = {}
+        self.conns: set[_Conn] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
         self.index = _INDEX.format(version=__version__).encode()
         self.extra_headers = "".join(f"{k}: {v}\r\n" for k, v in (web.headers.items()
                                                                     if web else ()))
-        self.failing = False
+        self.failing: set[str] = set()  # problems logged, once each
+        self.freed = asyncio.Event()  # a connection stopped being busy, or closed
+        self.waiting = 0  # new connections waiting for a slot while every one is busy
 
     # --- connections --------------------------------------------------------------
     def _admit(self, conn: _Conn) -> bool:
         if len(self.conns) >= self.cap:
-            idle = [c for c in self.conns.values() if not c.busy]
+            idle = [c for c in self.conns if not c.busy]
             if not idle:
                 return False
             victim = min(idle, key=lambda c: c.last)
-            del self.conns[victim.transport]
+            self.conns.discard(victim)
             victim.transport.abort()
-        self.conns[conn.transport] = conn
+        self.conns.add(conn)
+        return True
+
+    async def _wait_for_slot(self, conn: _Conn) -> bool:
+        """Admits `conn`, waiting (read_header_timeout at most) while every connection is
+        busy answering; at most `cap` newcomers wait, the others are refused at once."""
+        if self._admit(conn):
+            return True
+        if self.waiting >= self.cap:
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.read_header_timeout
+        self.waiting += 1
+        try:
+            while not self._admit(conn):
+                self.freed.clear()
+                await asyncio.wait_for(self.freed.wait(), deadline - loop.time())
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self.waiting -= 1
         return True
 
     async def connection(self, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> None:
-        conn = _Conn(cast(asyncio.Transport, writer.transport))
-        if not self._admit(conn):
-            conn.transport.abort()  # every slot is busy answering: refuse
+        conn = _Conn(writer.transport)
+        if not await self._wait_for_slot(conn):
+            conn.transport.abort()  # every slot stayed busy answering: refuse
             return
+        task = asyncio.current_task()
+        if task is not None:
+            self.tasks.add(task)
+        clean = False
         try:
-            wait = self.limits.read_header_timeout
-            while True:
-                try:
-                    request = await self._read_request(reader, wait)
-                except _Reply as e:
-                    conn.busy = True
-                    await self._send(writer, e.status, _TEXT, f"{_REASONS[e.status]}\n".encode(),
-                                     keep_alive=False)
-                    return
-                if request is None:
-                    return
-                conn.busy = True
-                keep = await self._answer(request, writer)
-                conn.busy, conn.last = False, time.monotonic()
-                if not keep:
-                    return
-                wait = self.limits.idle_timeout
-        except (ConnectionError, asyncio.TimeoutError, ssl.SSLError, OSError):
-            pass  # the client went away or would not take the answer
+            if self.tls is not None and _STARTTLS:
+                await writer.start_tls(self.tls,
+                                       ssl_handshake_timeout=self.limits.read_header_timeout)
+                conn.transport = cast(asyncio.Transport, writer.transport)
+            clean = await self._serve(conn, reader, writer)
+        except (ConnectionError, asyncio.TimeoutError, ssl.SSLError, OSError,
+                asyncio.IncompleteReadError):
+            pass  # the client went away, would not take the answer, or failed TLS
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug must cost one connection, and be seen
+            self._problem(type(e).__name__, "HTTP connection failed: %r", e)
         finally:
-            self.conns.pop(conn.transport, None)
-            writer.close()
+            conn.busy = False
+            if clean:  # the answer is written: let it go out, for write_timeout at most
+                writer.close()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.wait_for(writer.wait_closed(), self.limits.write_timeout)
+            conn.transport.abort()
+            self.conns.discard(conn)
+            self.freed.set()
+            if task is not None:
+                self.tasks.discard(task)
 
-    async def _read_request(self, reader: asyncio.StreamReader,
-                            idle: float) -> _Request | None:
+    async def _serve(self, conn: _Conn, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> bool:
+        """Answers requests until the connection should close; True if it ends cleanly."""
+        wait = self.limits.read_header_timeout
+        while True:
+            try:
+                request = await self._read_request(reader, wait)
+            except Reply as e:
+                conn.busy = True
+                await self._send(conn, writer, e.status, TEXT,
+                                 f"{REASONS[e.status]}\n".encode(), None, False)
+                return True
+            if request is None:
+                return True
+            conn.busy = True
+            keep = await self._answer(conn, request, writer)
+            if not keep:
+                return True
+            wait = self.limits.idle_timeout
+
+    async def _read_request(self, reader: asyncio.StreamReader, idle: float) -> Request | None:
         """The next request head, None when the client closed or stayed idle."""
         try:
             first = await asyncio.wait_for(reader.read(1), idle)
@@ -170,95 +220,105 @@ class _Server:
             rest = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"),
                                           self.limits.read_header_timeout)
         except asyncio.TimeoutError:
-            raise _Reply(408) from None
+            raise Reply(408) from None
         except asyncio.LimitOverrunError:
-            raise _Reply(431) from None
+            raise Reply(431) from None
         except asyncio.IncompleteReadError:
             return None
-        return _parse_head(first + rest)
+        return parse_head(first + rest)
 
     # --- answers --------------------------------------------------------------------
-    async def _answer(self, request: _Request, writer: asyncio.StreamWriter) -> bool:
-        keep = request.keep_alive
-        if self.web is not None and self.web.users:
-            loop = asyncio.get_running_loop()
-            ok = await loop.run_in_executor(  # bcrypt takes milliseconds: off the loop
-                self.executor, self.web.authorized, request.headers.get("authorization"))
-            if not ok:
-                await self._send(writer, 401, _TEXT, b"Unauthorized\n", keep,
-                                 'WWW-Authenticate: Basic realm="dataloader-exporter"\r\n',
-                                 request.method == "HEAD")
-                return keep
-        if request.path not in _PATHS:
-            await self._send(writer, 404, _TEXT, b"404 page not found\n", keep,
-                             head_only=request.method == "HEAD")
-            return keep
-        if request.method not in _METHODS:
-            await self._send(writer, 405, _TEXT, b"Method Not Allowed\n", keep,
-                             "Allow: GET, HEAD\r\n")
-            return keep
-        head_only = request.method == "HEAD"
-        if request.path == "/":
-            await self._send(writer, 200, "text/html; charset=utf-8", self.index, keep,
+    async def _answer(self, conn: _Conn, request: Request,
+                      writer: asyncio.StreamWriter) -> bool:
+        keep, head_only = request.keep_alive, request.method == "HEAD"
+        status = await self._authorize(request)
+        if status is not None:
+            extra = 'WWW-Authenticate: Basic realm="dataloader-exporter"\r\n' if status == 401 \
+                else "Retry-After: 1\r\n"
+            await self._send(conn, writer, status, TEXT, b"Unauthorized\n" if status == 401
+                             else b"Too many password checks\n", request, keep, extra,
+                             head_only)
+        elif request.path not in _PATHS:
+            await self._send(conn, writer, 404, TEXT, b"404 page not found\n", request, keep,
                              head_only=head_only)
+        elif request.method not in _METHODS:
+            await self._send(conn, writer, 405, TEXT, b"Method Not Allowed\n", request, keep,
+                             "Allow: GET, HEAD\r\n")
+        elif request.path == "/":
+            await self._send(conn, writer, 200, "text/html; charset=utf-8", self.index,
+                             request, keep, head_only=head_only)
         elif request.path == "/-/healthy":
-            await self._send(writer, 200, _TEXT, b"OK\n", keep, head_only=head_only)
+            await self._send(conn, writer, 200, TEXT, b"OK\n", request, keep,
+                             head_only=head_only)
         else:
-            await self._metrics(request, writer, head_only)
+            await self._metrics(conn, request, writer, head_only)
         return keep
 
-    async def _metrics(self, request: _Request, writer: asyncio.StreamWriter,
-                       head_only: bool) -> None:
-        openmetrics = "application/openmetrics-text" in request.headers.get("accept", "")
-        gzipped = "gzip" in request.headers.get("accept-encoding", "")
+    async def _authorize(self, request: Request) -> int | None:
+        """None when the request may pass, else the status to answer (401 or 429)."""
+        web = self.web
+        header = request.headers.get("authorization")
+        if web is None or web.known(header):  # no users, or a cached success: no bcrypt
+            return None
+        if self.bcrypt_waiting >= _BCRYPT_QUEUE:
+            return 429
+        self.bcrypt_waiting += 1
         try:
-            body = await self.flight.body((openmetrics, gzipped))
-        except Exception as e:
-            if not self.failing:
-                self.failing = True
-                log.error("collecting metrics failed: %s", type(e).__name__)
-            await self._send(writer, 500, _TEXT, b"error collecting metrics\n",
+            loop = asyncio.get_running_loop()
+            ok = await loop.run_in_executor(self.bcrypt, web.authorized, header)
+        finally:
+            self.bcrypt_waiting -= 1
+        return None if ok else 401
+
+    async def _metrics(self, conn: _Conn, request: Request, writer: asyncio.StreamWriter,
+                       head_only: bool) -> None:
+        openmetrics = accepts(request.headers.get("accept", ""), "application/openmetrics-text")
+        gzipped = accepts(request.headers.get("accept-encoding", ""), "gzip")
+        try:
+            body = await asyncio.wait_for(self.flight.body((openmetrics, gzipped)),
+                                          _scrape_timeout(request))
+        except asyncio.TimeoutError:
+            self._problem("slow", "a collection took longer than the scrape allows")
+            await self._send(conn, writer, 503, TEXT, b"collection timed out\n", request,
                              request.keep_alive, head_only=head_only)
             return
-        self.failing = False
+        except Exception as e:
+            self._problem("collect", "collecting metrics failed: %s", type(e).__name__)
+            await self._send(conn, writer, 500, TEXT, b"error collecting metrics\n", request,
+                             request.keep_alive, head_only=head_only)
+            return
+        self.failing.discard("collect")
+        self.failing.discard("slow")
         extra = "Content-Encoding: gzip\r\n" if gzipped else ""
-        await self._send(writer, 200, content_type(openmetrics), body, request.keep_alive,
-                         extra + "Vary: Accept, Accept-Encoding\r\n", head_only)
+        await self._send(conn, writer, 200, content_type(openmetrics), body, request,
+                         request.keep_alive, extra + "Vary: Accept, Accept-Encoding\r\n",
+                         head_only)
 
-    async def _send(self, writer: asyncio.StreamWriter, status: int, ctype: str, body: bytes,
-                    keep_alive: bool, extra: str = "", head_only: bool = False) -> None:
-        head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\n{extra}{self.extra_headers}"
-                f"{'' if keep_alive else 'Connection: close' + chr(13) + chr(10)}\r\n")
-        writer.write(head.encode("latin-1"))
+    async def _send(self, conn: _Conn, writer: asyncio.StreamWriter, status: int, ctype: str,
+                    body: bytes, request: Request | None, keep_alive: bool, extra: str = "",
+                    head_only: bool = False) -> None:
+        writer.write(response_head(status, ctype, len(body), request, keep_alive,
+                                   extra + self.extra_headers))
         if not head_only:
             writer.write(body)  # not head + body: that copies a 1 MB body per client
+        # Waiting for the client to take it: evictable, as an idle connection is.
+        conn.busy, conn.last = False, time.monotonic()
+        self.freed.set()
         await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
 
+    def _problem(self, key: str, msg: str, *args: object) -> None:
+        if key not in self.failing:
+            self.failing.add(key)
+            log.error(msg, *args)
 
-def _parse_head(data: bytes) -> _Request:
-    """Request line and headers; _Reply(400/505) when they are not HTTP/1.x."""
-    lines = data.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[1].startswith("/"):
-        raise _Reply(400)
-    method, target, version = parts
-    if version not in ("HTTP/1.1", "HTTP/1.0"):
-        raise _Reply(505 if version.startswith("HTTP/") else 400)
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        if not line:
-            continue
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
-            raise _Reply(400)
-        headers[name.lower()] = value.strip()
-    connection = headers.get("connection", "").lower()
-    keep = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
-    # A request body is never read: answer, then close rather than parse it as a request.
-    if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
-        keep = False
-    return _Request(method, target.split("?", 1)[0], headers, keep)
+
+def _scrape_timeout(request: Request) -> float:
+    """The scrape's own timeout (Prometheus sends it), else _COLLECT_TIMEOUT."""
+    try:
+        return max(0.1, min(float(request.headers["x-prometheus-scrape-timeout-seconds"]),
+                            _COLLECT_TIMEOUT))
+    except (KeyError, ValueError):
+        return _COLLECT_TIMEOUT
 
 
 class ServerHandle:
@@ -266,15 +326,16 @@ class ServerHandle:
 
     def __init__(self, server: _Server, loop: asyncio.AbstractEventLoop,
                  aserver: asyncio.base_events.Server, thread: threading.Thread,
-                 tls: bool) -> None:
+                 web: WebConfig | None) -> None:
         self._server = server
         self._loop = loop
         self._aserver = aserver
         self._thread = thread
+        self.web = web
         sockname = aserver.sockets[0].getsockname()
         self.host = str(sockname[0])
         self.port = int(sockname[1])
-        self.scheme = "https" if tls else "http"
+        self.scheme = "https" if server.tls is not None else "http"
         self.closed = False
 
     @property
@@ -284,20 +345,20 @@ class ServerHandle:
             host = f"[{host}]"
         return f"{self.scheme}://{host}:{self.port}"
 
-    @property
-    def connections(self) -> int:
-        """Open connections (past the TLS handshake)."""
-        return len(self._server.conns)
-
     def shutdown(self) -> None:
         if self.closed:
             return
         self.closed = True
+        server = self._server
 
         async def stop() -> None:
             self._aserver.close()
-            for transport in list(self._server.conns):
-                transport.abort()
+            for conn in list(server.conns):
+                conn.transport.abort()
+            tasks = list(server.tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self._aserver.wait_closed()
 
         try:
@@ -306,7 +367,8 @@ class ServerHandle:
             log.warning("HTTP server did not stop cleanly: %r", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
-        self._server.executor.shutdown(wait=False, cancel_futures=True)
+        server.executor.shutdown(wait=False, cancel_futures=True)
+        server.bcrypt.shutdown(wait=False, cancel_futures=True)
 
 
 def _quiet(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
@@ -321,16 +383,18 @@ def serve(registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0,
     Raises OSError when the address cannot be bound.
     """
     server = _Server(registry, limits or Limits(), web)
-    ctx = web.ssl_context() if web is not None else None
     loop = asyncio.new_event_loop()
     loop.set_exception_handler(_quiet)
     started: Future[asyncio.base_events.Server] = Future()
+    # Python 3.10 has no StreamWriter.start_tls: TLS at accept, before the cap counts it.
+    at_accept = server.tls if not _STARTTLS else None
 
     async def start() -> asyncio.base_events.Server:
         return await asyncio.start_server(
-            server.connection, host, port, ssl=ctx, limit=_MAX_HEAD, backlog=1024,
+            server.connection, host, port, ssl=at_accept, limit=_MAX_HEAD,
+            backlog=_ACCEPT_BATCH,
             reuse_address=True,
-            ssl_handshake_timeout=server.limits.read_header_timeout if ctx else None)
+            ssl_handshake_timeout=server.limits.read_header_timeout if at_accept else None)
 
     def run() -> None:
         asyncio.set_event_loop(loop)
@@ -352,6 +416,6 @@ def serve(registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0,
     except BaseException:
         thread.join()
         server.executor.shutdown(wait=False)
+        server.bcrypt.shutdown(wait=False)
         raise
-    return ServerHandle(server, loop, aserver, thread, ctx is not None)
-
+    return ServerHandle(server, loop, aserver, thread, web)

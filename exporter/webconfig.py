@@ -17,24 +17,19 @@ restart to pick up changes. Where Python's ssl differs from Go's, nothing is ign
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
 import ipaddress
 import os
 import re
-import secrets
 import ssl
 import tempfile
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import bcrypt
 import yaml
+
+from exporter.basicauth import MAX_COST, BasicAuth
 
 T = "tls_server_config"
 TOP_KEYS = (T, "http_server_config", "basic_auth_users", "rate_limit")
@@ -55,8 +50,7 @@ CLIENT_AUTH = {"NoClientCert": ssl.CERT_NONE, "VerifyClientCertIfGiven": ssl.CER
 UNVERIFIED_AUTH = ("RequestClientCert", "RequireAnyClientCert", "RequireClientCert")
 VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1,
             "TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3}
-BCRYPT_HASH = re.compile(r"\$2[abxy]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}")
-AUTH_CACHE_SIZE = 100  # successful checks remembered, as in exporter-toolkit
+BCRYPT_HASH = re.compile(r"\$2[abxy]\$([0-9]{2})\$[./A-Za-z0-9]{53}")
 
 
 class WebConfigError(ValueError):
@@ -79,65 +73,6 @@ class TlsSettings:
     max_version: ssl.TLSVersion
     prefer_server_cipher_suites: bool
     client_allowed_sans: frozenset[str]
-
-
-class BasicAuth:
-    """Checks `Basic` credentials against bcrypt hashes, remembering recent successes.
-
-    bcrypt is slow on purpose: a success is cached under the user and a SHA-256 of the
-    password (bounded LRU); failures are not. An unknown user still costs one bcrypt check,
-    against a random hash of the highest configured cost, so timing does not reveal users.
-    As in exporter-toolkit, one bcrypt check runs at a time. Thread-safe.
-    """
-
-    def __init__(self, users: Mapping[str, bytes], cache_size: int = AUTH_CACHE_SIZE) -> None:
-        self.users, self.cache_size = users, cache_size
-        self.cache: OrderedDict[tuple[str, bytes], None] = OrderedDict()
-        self._lock, self._bcrypt_lock = threading.Lock(), threading.Lock()
-        cost = max((int(h[4:6]) for h in users.values()), default=4)
-        self._dummy = bcrypt.hashpw(secrets.token_hex(16).encode(), bcrypt.gensalt(cost))
-
-    def check(self, authorization: str | None) -> bool:
-        """True for a right `Basic` Authorization header value, or when there are no users."""
-        if not self.users:
-            return True
-        credentials = parse_basic(authorization)
-        if credentials is None:
-            return False
-        user, password = credentials
-        key = (user, hashlib.sha256(password).digest())
-        with self._lock:
-            if key in self.cache:
-                self.cache.move_to_end(key)
-                return True
-        hashed = self.users.get(user)
-        if not self.checkpw(password, self._dummy if hashed is None else hashed) or not hashed:
-            return False
-        with self._lock:
-            self.cache[key] = None
-            while len(self.cache) > self.cache_size:
-                self.cache.popitem(last=False)
-        return True
-
-    def checkpw(self, password: bytes, hashed: bytes) -> bool:
-        """One bcrypt comparison; bcrypt reads only the first 72 bytes, as Go's does."""
-        with self._bcrypt_lock:
-            try:
-                return bcrypt.checkpw(password[:72], hashed)
-            except ValueError:
-                return False
-
-
-def parse_basic(authorization: str | None) -> tuple[str, bytes] | None:
-    """(user, password) from `Basic base64(user:password)`; None when malformed."""
-    if not authorization or authorization[:6].lower() != "basic ":
-        return None
-    try:
-        raw = base64.b64decode(authorization[6:], validate=True)
-    except (binascii.Error, ValueError):
-        return None
-    user, colon, password = raw.partition(b":")
-    return (user.decode("utf-8", "surrogateescape"), password) if colon else None
 
 
 @dataclass(frozen=True)
@@ -163,6 +98,11 @@ class WebConfig:
         """Whether a request with this raw Authorization header value may pass."""
         return self._auth.check(authorization)
 
+    def known(self, authorization: str | None) -> bool:
+        """Whether it may pass without a bcrypt check (no users, or a cached success):
+        cheap enough to ask on the event loop."""
+        return self._auth.known(authorization)
+
 
 def load(path: str) -> WebConfig:
     """Read and check a web config file; raise WebConfigError listing every problem."""
@@ -184,8 +124,10 @@ def load(path: str) -> WebConfig:
     for user, hashed in (r.get(doc, "basic_auth_users", dict) or {}).items():
         if not isinstance(user, str) or not user or ":" in user:
             r.add(f"basic_auth_users.{user}", "a user name must be a non-empty string without ':'")
-        elif not isinstance(hashed, str) or not BCRYPT_HASH.fullmatch(hashed):
-            r.add(f"basic_auth_users.{user}", "not a bcrypt hash ($2y$, cost 04-31, 60 chars)")
+        elif not isinstance(hashed, str) or not BCRYPT_HASH.fullmatch(hashed) or not (
+                4 <= int(hashed[4:6]) <= MAX_COST):
+            r.add(f"basic_auth_users.{user}", f"not a bcrypt hash of cost 04-{MAX_COST} "
+                  "($2y$, 60 characters; a higher cost makes each check take seconds)")
         else:
             users[user] = hashed.encode()
     http = r.section(doc, "http_server_config", ("http2", "headers"))
@@ -194,8 +136,8 @@ def load(path: str) -> WebConfig:
         where, allowed = f"http_server_config.headers.{name}", HEADERS.get(name)
         if allowed is None:
             r.add(where, f"this header cannot be set (only {', '.join(HEADERS)})")
-        elif not isinstance(value, str) or any(c in value for c in "\r\n\0"):
-            r.add(where, "must be a string on one line")
+        elif not isinstance(value, str) or not all(" " <= c <= "~" for c in value):
+            r.add(where, "must be printable ASCII on one line (HTTP header values are)")
         elif allowed and value not in allowed:
             r.add(where, f"must be one of {', '.join(allowed)}")
     http2 = r.get(http, "http_server_config.http2", bool) is not False

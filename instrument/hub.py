@@ -97,6 +97,11 @@ class Hub:
             web = webconfig.load(web_config_file)
         with self._lock:
             handle = self._servers.get((addr, port)) if port else None
+            if handle is not None and not handle.closed and (
+                    (handle.web.path if handle.web else None) != (web.path if web else None)):
+                raise ValueError(f"{addr}:{port} is served already, with another web config "
+                                 f"({handle.web.path if handle.web else 'none'}): shut it "
+                                 "down first, or pass the same web_config_file")
             if handle is None or handle.closed:
                 handle = http_serve(self.registry, addr, port, web)
                 self._servers[(addr, handle.port)] = handle

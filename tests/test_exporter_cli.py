@@ -114,6 +114,10 @@ def test_a_metrics_dir_that_is_a_file_is_rejected(tmp_path: Path) -> None:
     f = tmp_path / "file"
     f.write_text("")
     assert "not a directory" in problems(f"--metrics-dir={f}")[0]
+    result = run_cli("serve", f"--metrics-dir={f}", "--web.max-connections=\u00b2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"--metrics-dir '{f}': not a directory" in result.stderr
+    assert "--web.max-connections '\u00b2': must be a positive whole number" in result.stderr
 
 
 def test_an_unreadable_metrics_dir_is_rejected_with_exit_status_2(tmp_path: Path) -> None:

@@ -124,6 +124,16 @@ def test_head_sends_the_headers_of_get_without_a_body_and_other_methods_get_405(
                 assert headers["allow"] == "GET, HEAD"
         status, _, _ = head_and_body(request(exp.address, get("/nope")))
         assert status == "HTTP/1.1 404 Not Found"
+        # gzip only when it is accepted (q=0 refuses it); HTTP/1.0 keep-alive is said so.
+        _, headers, _ = head_and_body(request(exp.address, get(
+            "/metrics", extra="Accept-Encoding: gzip;q=0, identity\r\n")))
+        assert "content-encoding" not in headers
+        _, headers, _ = head_and_body(request(exp.address, get(
+            "/metrics", extra="Accept-Encoding: br, gzip\r\n")))
+        assert headers["content-encoding"] == "gzip"
+        with connect(exp.address) as s:
+            s.sendall(b"GET /-/healthy HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            assert b"\r\nConnection: keep-alive\r\n" in s.recv(4096)
         status, _, _ = head_and_body(request(exp.address, b"NONSENSE\r\n\r\n"))
         assert status == "HTTP/1.1 400 Bad Request"
 
@@ -194,7 +204,7 @@ def test_a_thousand_idle_connections_leave_scrapes_answered_and_resources_bounde
     # starve the server of descriptors and time out every scrape.
     with exporter("--no-collector.gpu", f"--metrics-dir={snapshots}", max_files=256) as exp:
         pid = exp.proc.pid
-        base_threads = threads(pid)
+        base_threads, base_files = threads(pid), open_files(pid)
         held = []
         try:
             for _ in range(n):
@@ -202,9 +212,10 @@ def test_a_thousand_idle_connections_leave_scrapes_answered_and_resources_bounde
             start = time.monotonic()
             body = exp.metrics()
             assert cat.BATCHES.name in body
-            assert time.monotonic() - start < 5  # the target, 1 s, is the benchmark's
-            assert open_files(pid) <= 256
-            assert threads(pid) <= base_threads + 4  # the scrape pool, not one per client
+            assert time.monotonic() - start < 3  # the target, 1 s, is the benchmark's
+            # The cap under 256 descriptors is 256 - 64 - 100 = 92 connections.
+            assert open_files(pid) <= base_files + 92 + 8
+            assert threads(pid) <= base_threads + 5  # the scrape pool, not one per client
             # Evicted connections were closed by the server, not left half-open.
             closed = sum(closed_by_server(s, 0.01) for s in held[:50])
             assert closed == 50
@@ -226,6 +237,26 @@ def test_over_the_connection_cap_the_longest_idle_connection_makes_way(
         assert exp_connections(exp) <= 5
         for s in [*first, newest]:
             s.close()
+
+
+def test_clients_that_never_read_their_answers_cannot_lock_out_a_scrape(
+        snapshots: Path) -> None:
+    with exporter("--no-collector.gpu", f"--metrics-dir={snapshots}",
+                  "--web.max-connections=4") as exp:
+        hogs = [connect(exp.address) for _ in range(4)]
+        pipelined = get("/metrics").replace(b"Connection: close\r\n", b"") * 200
+        for s in hogs:  # answers pile up unread until the server's buffer is full
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            with contextlib.suppress(OSError):
+                s.sendall(pipelined)
+        deadline_poll(lambda: exp_connections(exp) == 4, 5)
+        start = time.monotonic()
+        assert cat.BATCHES.name in exp.metrics()  # a hog waiting on its reader made way
+        assert time.monotonic() - start < 5
+        assert exp_connections(exp) <= 4
+        for s in hogs:
+            s.close()
+        deadline_poll(lambda: exp_connections(exp) == 0, 10)  # nothing lingers
 
 
 def test_fifty_concurrent_clients_get_valid_bodies_from_shared_collections(

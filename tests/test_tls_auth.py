@@ -136,6 +136,31 @@ def test_the_in_process_server_takes_the_same_web_config(tmp_path: Path) -> None
         assert fetch(handle.url + "/metrics", ctx, "wrong")[0] == 401
     finally:
         instrument.shutdown(registry)
+    plain = instrument.serve(0, "127.0.0.1", registry=registry, system_metrics=False)
+    try:  # the same address with a web config: never silently plain HTTP
+        with pytest.raises(ValueError, match="another web config"):
+            instrument.serve(plain.port, "127.0.0.1", registry=registry,
+                             web_config_file=str(tmp_path / "web.yml"))
+    finally:
+        instrument.shutdown(registry)
     with pytest.raises(ValueError, match="no-such"):
         instrument.serve(0, "127.0.0.1", registry=CollectorRegistry(),
                          web_config_file=str(tmp_path / "no-such.yml"))
+
+
+def test_idle_connections_that_never_start_tls_cannot_starve_a_tls_scrape(
+        tmp_path: Path) -> None:
+    tls = make_tls_files(tmp_path / "tls")
+    exp = Exporter("--no-collector.gpu", f"--web.config.file={web_config(tmp_path, tls)}",
+                   max_files=256)
+    held = []
+    try:
+        host, port = exp.address.rsplit(":", 1)
+        for _ in range(300):  # more than the descriptors allow, none sends a ClientHello
+            held.append(socket.create_connection((host, int(port)), timeout=10))
+        status, _ = fetch(exp.url + "/metrics", client_context(tls), PASSWORD)
+        assert status == 200
+    finally:
+        for s in held:
+            s.close()
+        assert exp.stop() == 0

@@ -14,7 +14,8 @@ import bcrypt
 import pytest
 from tls import TlsFiles, make_tls_files
 
-from exporter.webconfig import BasicAuth, WebConfig, WebConfigError, load
+from exporter.basicauth import BasicAuth
+from exporter.webconfig import WebConfig, WebConfigError, load
 
 PASSWORD = b"correct horse"
 HASH = bcrypt.hashpw(PASSWORD, bcrypt.gensalt(rounds=4)).decode()
@@ -286,9 +287,13 @@ def test_wrong_types_unknown_keys_and_bad_hashes_are_all_reported_together(
     assert lines == [f"{path}: {line}" for line in (
         "listen: unknown key (known: tls_server_config, http_server_config, basic_auth_users, "
         "rate_limit)",
-        "basic_auth_users.alice: not a bcrypt hash ($2y$, cost 04-31, 60 chars)",
+        "basic_auth_users.alice: not a bcrypt hash of cost 04-16 ($2y$, 60 characters; a higher "
+        "cost "
+        "makes each check take seconds)",
         "basic_auth_users.: a user name must be a non-empty string without ':'",
-        "basic_auth_users.bob: not a bcrypt hash ($2y$, cost 04-31, 60 chars)",
+        "basic_auth_users.bob: not a bcrypt hash of cost 04-16 ($2y$, 60 characters; a higher "
+        "cost "
+        "makes each check take seconds)",
         "basic_auth_users.c:d: a user name must be a non-empty string without ':'",
         "http_server_config.headers.X-Frame-Options: must be one of deny, sameorigin",
         "http_server_config.headers.Server: this header cannot be set (only "
@@ -405,3 +410,16 @@ def test_authorized_is_safe_from_many_threads(tmp_path: Path) -> None:
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(config.authorized, headers))
     assert results == [True, False] * 20
+
+
+def test_a_header_value_that_is_not_printable_ascii_and_a_huge_bcrypt_cost_are_refused(
+        tmp_path: Path) -> None:
+    hashed = bcrypt.hashpw(b"pw", bcrypt.gensalt(rounds=4)).decode()
+    too_costly = hashed[:4] + "17" + hashed[6:]
+    path = tmp_path / "web.yml"
+    path.write_text("http_server_config:\n  headers:\n    Content-Security-Policy: \"a \u2014 b\"\n"
+                    f"basic_auth_users:\n  alice: '{too_costly}'\n", encoding="utf-8")
+    with pytest.raises(WebConfigError) as e:
+        load(str(path))
+    assert len(e.value.problems) == 2
+    assert "cost 04-16" in e.value.problems[0] and "printable ASCII" in e.value.problems[1]
