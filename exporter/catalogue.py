@@ -223,7 +223,7 @@ SNAPSHOT_FILES = _m(
     "", ("state",), SELF)
 SNAPSHOT_ERRORS = _m(
     "dataloader_exporter_snapshot_errors_total", COUNTER,
-    "Trainer snapshot files skipped whole, once per version of a file, by reason.",
+    "Trainer snapshot files skipped whole, counted once per file and reason.",
     "", ("reason",), SELF)
 COLLECTIONS = _m(
     "dataloader_exporter_collections_total", COUNTER,

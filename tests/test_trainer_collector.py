@@ -128,7 +128,7 @@ def test_torn_or_malformed_files_are_skipped_and_counted(
         assert samples[(cat.BATCHES.name, L)] == 3
         assert (cat.BATCHES.name, (("loader", "t"), ("rank", "9"))) not in samples
         assert samples[(cat.COLLECTOR_UP.name, (("collector", "trainer"),))] == 1
-    assert collector.errors == 1  # once per version of the file, not once per scrape
+    assert collector.errors == 1  # once per file and reason, not once per scrape
     assert sum(collector.rejected.values()) == 1
     assert len([r for r in caplog.records if "skipping snapshot" in r.getMessage()]) == 1
 

@@ -75,12 +75,13 @@ class ParsedFamily:
     samples: list[tuple[str, LabelSet, float]] = field(default_factory=list)
 
 
-# Label texts repeat from one write of a file to the next: 32 ranks of 4 loaders (12,553
-# series) have 8,961 distinct ones, 1.1 kB each in this cache. Bounded in entries and in
-# the length of the texts it keeps (so at most ~45 MB); when full it starts afresh.
+# Label texts repeat from one write of a file to the next: 32 ranks of 4 loaders (12,646
+# series) have 641 distinct ones once bucket lines share theirs (_bucket), about 1.2 kB
+# each here. Bounded in entries and in the length of the texts it keeps (at most ~12 MB);
+# when full it starts afresh.
 _label_cache: dict[str, LabelSet] = {"": NO_LABELS}
 _names: dict[tuple[str, ...], tuple[str, ...]] = {}  # a few distinct tuples, shared
-_CACHE_MAX = 32_768
+_CACHE_MAX = 8_192
 _CACHE_KEY_MAX = 256
 
 

@@ -25,8 +25,9 @@ then rename). At each scrape this collector lists the directory and, for each
   last scrape (same inode, mtime and size): then its earlier verdict is reused, parsed
   samples or rejection alike, so several scrapers within one write period parse a file
   once and a bad file is neither read, counted nor logged again. A rejected file is
-  skipped whole, counted once per version in ``snapshot_errors_total{reason}`` and in
-  the collector's error count, and logged once while it stays bad, by name and reason.
+  skipped whole, counted in ``snapshot_errors_total{reason}`` and in the collector's
+  error count and logged (by name and reason) once per file and reason: a bad file
+  rewritten every second counts once while it stays bad for the same reason.
 
 When a trainer restarts, its new file and the old one both hold series for the same
 (loader, rank) until the old one goes stale; the newest file wins, so nothing is
@@ -103,12 +104,12 @@ class TrainerCollector:
         self.remove_after = remove_after
         self.up = True
         self.errors = 0
-        self.rejected = dict.fromkeys(snapshot.REASONS, 0)  # files skipped, once per version
+        self.rejected = dict.fromkeys(snapshot.REASONS, 0)  # files skipped, once per reason
         self._log = LogOnce(log)
         self._lock = threading.Lock()  # a warm-up collection may overlap a scrape
         # Verdicts by path, only for entries present (and, if regular, fresh).
         self._verdicts: dict[str, _Verdict] = {}
-        self._logged: set[str] = set()  # paths whose rejection was logged
+        self._bad: dict[str, str] = {}  # path -> the reason it was counted and logged for
 
     def collect(self) -> Iterator[Family]:
         with self._lock:
@@ -127,7 +128,7 @@ class TrainerCollector:
             if isinstance(verdict, Snapshot):
                 newest = mtime if newest is None else max(newest, mtime)
                 claimed |= _merge(verdict, merged, claimed)
-        self._logged &= self._verdicts.keys()
+        self._bad = {p: r for p, r in self._bad.items() if p in self._verdicts}
         out = [_family(m, merged[m.name]) for m in _TRAINER if merged[m.name]]
         files = family(cat.SNAPSHOT_FILES)
         files.add_metric(["fresh"], len(fresh))
@@ -206,23 +207,21 @@ class TrainerCollector:
         return verdict
 
     def _keep(self, name: str, path: str, verdict: _Verdict) -> None:
-        """Records a verdict; counts and logs a rejection the first time it is seen."""
-        old = self._verdicts.get(path)
+        """Records a verdict; counts and logs a rejection once per file and reason (a bad
+        file rewritten every second counts once while it stays bad for the same reason)."""
         self._verdicts[path] = verdict
         result = verdict[1]
         if isinstance(result, Snapshot):
-            if path in self._logged:
-                self._logged.discard(path)
+            if self._bad.pop(path, None) is not None:
                 log.info("snapshot %a is valid again", name)
             return
-        if old is not None and old[0] == verdict[0]:
-            return  # this version was counted already
+        if self._bad.get(path) == result.reason:
+            return
+        self._bad[path] = result.reason
         self.rejected[result.reason] += 1
         self.errors += 1
-        if path not in self._logged:
-            self._logged.add(path)
-            log.warning("skipping snapshot %a in %s: %s (%s)", name, self.directory,
-                        result.reason, result.detail)
+        log.warning("skipping snapshot %a in %s: %s (%s)", name, self.directory,
+                    result.reason, result.detail)
 
     def _remove_if_old(self, entry: os.DirEntry[str], now: float) -> None:
         try:
