@@ -1,6 +1,6 @@
 # The exporter sidecar: no torch, a venv, a non-root user.
 #   docker build -t dataloader-exporter .
-#   docker run --rm -p 9478:9478 -v metrics:/run/dataloader-exporter:ro \
+#   docker run --rm -p 9478:9478 -v metrics:/run/dataloader-exporter \
 #     --ipc=container:<trainer> dataloader-exporter
 FROM python:3.11-slim AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1

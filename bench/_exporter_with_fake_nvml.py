@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, port = parse_address(args.listen)
-    # The CLI's order: trainer first, then gpu, shm and host (exporter.cli.run_serve).
+    # The CLI's order: trainer first, then gpu, shm and host (exporter.command.run_serve).
     sources: list[SourceCollector] = [
         TrainerCollector(args.metrics_dir, args.stale_after),
         GpuCollector(nvml=fake_nvml(args.gpus)), ShmCollector(), HostCollector()]

@@ -10,7 +10,7 @@ bench/_exporter_with_fake_nvml.py, which builds the same registry the CLI builds
                      and series; RSS after the scrapes; CPU (user+system of the process)
                      over ~10 s of one scrape a second, in percent of one core; and each
                      collector's time, from the exporter's own collector_duration gauge.
-  real CLI           `python -m exporter serve --no-collector.gpu` over the same files:
+  real CLI           `python -m dataloader_exporter serve --no-collector.gpu` over the files:
                      start-up (median of 3 starts), some scrapes, RSS after them.
 
   load (fake-GPU)    50 concurrent clients, 5,000 scrapes on fresh connections: errors,
@@ -50,12 +50,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _served import REPO, Served, free_port, percentile, rounded, series
 from _snapshots import LOADERS, write_rank_files
 
+from exporter import catalogue as cat
+
 WRITTEN, RANKS, GPUS, STALE_AFTER = 8, 32, 8, "86400"  # files stay fresh for the run
 P99_MS, RSS_MB, START_S = 20.0, 40.0, 1.0
 LOAD_P99_S, LOAD_CPU_MS, IDLE_SCRAPE_S = 0.5, 10.0, 1.0
 _DURATION = re.compile(
-    rb'^dataloader_exporter_collector_duration_seconds\{collector="(\w+)"\} (\S+)$', re.M)
-_COLLECTIONS = re.compile(rb"^dataloader_exporter_collections_total (\S+)$", re.M)
+    rf'^{cat.COLLECTOR_DURATION.name}\{{collector="(\w+)"\}} (\S+)$'.encode(), re.M)
+_COLLECTIONS = re.compile(rf"^{cat.COLLECTIONS.name} (\S+)$".encode(), re.M)
 
 
 @dataclass
@@ -200,7 +202,8 @@ def fake_gpu_exporter(directory: str, plan: Plan) -> tuple[FakeGpuRun, LoadRun]:
     try:
         durations: dict[str, list[float]] = {}
         times, body = latencies(proc, plan.warmup, plan.scrapes, plan.budget_s, durations)
-        if body.count(b"\ngpu_info{") != GPUS or f'rank="{RANKS - 1}"'.encode() not in body:
+        gpus = body.count(f"\n{cat.GPU_INFO.name}{{".encode())
+        if gpus != GPUS or f'rank="{RANKS - 1}"'.encode() not in body:
             raise RuntimeError("the exposition lacks some fake GPUs or ranks")
         rss = proc.rss_mb()
         cpu = cpu_at_one_hz(proc, plan.cpu_seconds)
@@ -247,6 +250,8 @@ def report(fake: FakeGpuRun, cli: CliRun, ld: LoadRun, quick: bool, loaders: int
         (f"start-up {fg}", f"{fake.startup_s:.3f} s", f"< {START_S:g} s",
          fake.startup_s < START_S),
         (f"CPU at 1 scrape/s {fg}", f"{fake.cpu_percent_1hz:.2f} % of a core", "", None),
+        (f"CPU per scrape at 1/s, files changed {fg}", f"{fake.cpu_percent_1hz * 10:.1f} ms",
+         f"<= {LOAD_CPU_MS:g} ms", fake.cpu_percent_1hz * 10 <= LOAD_CPU_MS),
         (f"scrape p50 {rc}", f"{cli.p50_ms:.2f} ms ({cli.scrapes} scrapes)", "", None),
         (f"scrape p99 {rc}", f"{cli.p99_ms:.2f} ms", f"<= {P99_MS:g} ms", cli.p99_ms <= P99_MS),
         (f"RSS after scrapes {rc}", f"{cli.rss_mb:.1f} MB", f"<= {RSS_MB:g} MB",

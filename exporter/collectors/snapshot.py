@@ -247,13 +247,13 @@ def _histogram(shape: _Shape, fam: ParsedFamily, owners: dict[Owner, dict[str, l
             if not (previous <= value < inf and value.is_integer()):
                 raise _invalid(f"{metric.name}: bucket counts not cumulative whole numbers")
             previous = value
-            out.append(_new(Sample, (name, got.mapping, value, None, None, None)))
             text.append(f"{name}{got.text} {float_text(value)}\n")
         (cname, clabels, cvalue), (sname, slabels, svalue) = group[-2:]
         if cname != count or clabels.pairs != labels or cvalue != previous:
             raise _invalid(f"{metric.name}: _count missing or not the +Inf bucket")
         if sname != total or not 0.0 <= svalue < inf:
             raise _invalid(f"{metric.name}: _sum missing, negative or not finite")
+        # Only _count and _sum as samples: _consistent() reads labels, never buckets.
         out.append(_new(Sample, (cname, clabels.mapping, cvalue, None, None, None)))
         out.append(_new(Sample, (sname, slabels.mapping, svalue, None, None, None)))
         text.append(f"{cname}{clabels.text} {float_text(cvalue)}\n"

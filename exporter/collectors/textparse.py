@@ -33,7 +33,7 @@ class LabelSet(NamedTuple):
 
     pairs: Labels
     names: tuple[str, ...]
-    mapping: dict[str, str]
+    mapping: dict[str, str]  # a bucket line's (le first): the rest's, without le
     le: str  # the value of an le label, "" if none
     rest: Labels  # the pairs without le
     text: str  # as the encoders write them: sorted, escaped, in braces ("" for none)
@@ -116,6 +116,8 @@ def _labels(text: str) -> LabelSet | None:
 
 _LE = re.compile(r"[-+0-9.eE]++|\+Inf")
 _le_names: dict[tuple[str, ...], tuple[str, ...]] = {}
+_le_ok: set[str] = set()  # le values that matched _LE: a histogram's few bounds
+_new = tuple.__new__  # LabelSet(...) without its Python-level __new__: twice as fast
 
 
 def _bucket(text: str) -> LabelSet | None:
@@ -125,8 +127,13 @@ def _bucket(text: str) -> LabelSet | None:
     end = text.find('"', 4)
     le = text[4:end]
     rest_text = text[end + 2:] if text[end + 1:end + 2] == "," else None
-    if end < 0 or rest_text is None or _LE.fullmatch(le) is None:
+    if end < 0 or rest_text is None:
         return _label_cache.get(text) or _labels(text)
+    if le not in _le_ok:
+        if _LE.fullmatch(le) is None:
+            return _label_cache.get(text) or _labels(text)
+        if len(_le_ok) < 1000:
+            _le_ok.add(le)
     rest = _label_cache.get(rest_text) or _labels(rest_text)
     if rest is None or not rest.names or rest.names[0] <= "le":
         return _label_cache.get(text) or _labels(text)
@@ -135,8 +142,10 @@ def _bucket(text: str) -> LabelSet | None:
         names = ("le", *rest.names)
         if len(_le_names) < 1000:
             _le_names[rest.names] = names
-    return LabelSet((("le", le), *rest.pairs), names, {"le": le, **rest.mapping}, le,
-                    rest.pairs, f'{{le="{le}",{rest.text[1:]}')
+    # mapping: the rest's (shared), without le. Bucket samples are validated and written
+    # from pairs, le and text; nothing builds a Sample from a bucket's mapping.
+    return _new(LabelSet, ((("le", le), *rest.pairs), names, rest.mapping, le, rest.pairs,
+                           '{le="' + le + '",' + rest.text[1:]))
 
 
 def first_bad_line(text: str) -> int:
