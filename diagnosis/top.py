@@ -12,7 +12,6 @@ import curses
 import sys
 import time
 from collections.abc import Sequence
-from typing import TextIO
 
 from diagnosis.signals import LoaderSignals, Scrape, Window, loaders
 
@@ -87,12 +86,11 @@ def _loop(screen: curses.window, url: str, interval: float) -> None:
             return
 
 
-def run(args: argparse.Namespace, stdin: TextIO = sys.stdin,
-        stdout: TextIO = sys.stdout) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         print("dataloader-exporter top: --interval must be positive", file=sys.stderr)
         return 2
-    if not (stdin.isatty() and stdout.isatty()):
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
         print("dataloader-exporter top: needs a terminal; without one, use "
               f"`dataloader-exporter doctor --url {args.url}`", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as om_gener
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 
 import instrument
+from exporter import catalogue as cat
 from exporter import exposition
 from exporter.collectors.supervisor import Supervisor
 from exporter.collectors.trainer import TrainerCollector
@@ -88,3 +89,25 @@ def test_promtool_accepts_the_text_output(tmp_path: Path, promtool: str) -> None
     result = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True,
                             timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_sidecar_serves_a_trainers_families_exactly_as_the_trainer_wrote_them(
+        tmp_path: Path) -> None:
+    """Not circular: the writer's own encoding of its registry, against what the sidecar
+    makes of the file (parsed, validated, re-encoded once per version)."""
+    trainer = CollectorRegistry()
+    loader = instrument.DataLoader(SleepDataset(6), batch_size=2, num_workers=2,
+                                   name='odd "name"\\ with\nnewline', registry=trainer)
+    for x, _ in loader:
+        loader.to_device(x, "meta")
+    written = generate_latest(trainer)
+    (tmp_path / "a.prom").write_bytes(written)
+    reg = CollectorRegistry()
+    reg.register(Supervisor([TrainerCollector(str(tmp_path))]))
+    trainer_names = {m.family for m in cat.ALL if m.source == cat.TRAINER}
+    served = exposition.text(f for f in reg.collect() if f.name in trainer_names)
+
+    def blocks(body: bytes) -> set[str]:
+        return {"# HELP " + b for b in body.decode().split("# HELP ") if b}
+
+    assert blocks(served) == blocks(written)

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,13 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
                     "--disable-pip-version-check", "-w", str(out), str(REPO)], check=True,
                    timeout=300, cwd=out)
-    return next(out.glob("dataloader_exporter-*.whl"))
+    wheel = next(out.glob("dataloader_exporter-*.whl"))
+    # Only modules of the source tree: a stale build/ must not ship deleted ones.
+    with zipfile.ZipFile(wheel) as z:
+        shipped = {n for n in z.namelist() if n.endswith(".py")}
+    assert shipped and all((REPO / n).exists() for n in shipped), sorted(
+        n for n in shipped if not (REPO / n).exists())
+    return wheel
 
 
 def fresh_venv(directory: Path, *requirements: str) -> Path:
