@@ -39,19 +39,21 @@ class BasicAuth:
         cost = max((int(h[4:6]) for h in users.values()), default=4)
         self._dummy = bcrypt.hashpw(secrets.token_hex(16).encode(), bcrypt.gensalt(cost))
 
+    def _cached(self, credentials: tuple[str, bytes]) -> tuple[bool, tuple[str, bytes]]:
+        """Whether these credentials passed recently, and their cache key."""
+        key = (credentials[0], hashlib.sha256(credentials[1]).digest())
+        with self._lock:
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                return True, key
+        return False, key
+
     def known(self, authorization: str | None) -> bool:
         """True when no users are configured or these credentials passed recently."""
         if not self.users:
             return True
         credentials = parse_basic(authorization)
-        if credentials is None:
-            return False
-        key = (credentials[0], hashlib.sha256(credentials[1]).digest())
-        with self._lock:
-            if key in self.cache:
-                self.cache.move_to_end(key)
-                return True
-        return False
+        return credentials is not None and self._cached(credentials)[0]
 
     def check(self, authorization: str | None) -> bool:
         """True for a right `Basic` Authorization header value, or when there are no users."""
@@ -60,12 +62,10 @@ class BasicAuth:
         credentials = parse_basic(authorization)
         if credentials is None:
             return False
+        hit, key = self._cached(credentials)
+        if hit:
+            return True
         user, password = credentials
-        key = (user, hashlib.sha256(password).digest())
-        with self._lock:
-            if key in self.cache:
-                self.cache.move_to_end(key)
-                return True
         hashed = self.users.get(user)
         if not self.checkpw(password, self._dummy if hashed is None else hashed) or not hashed:
             return False

@@ -164,3 +164,38 @@ def test_idle_connections_that_never_start_tls_cannot_starve_a_tls_scrape(
         for s in held:
             s.close()
         assert exp.stop() == 0
+
+
+def test_wrong_passwords_queue_for_bcrypt_but_a_known_password_never_waits(
+        tmp_path: Path) -> None:
+    """bcrypt runs on its own thread, a few checks queued at most (429 beyond); a password
+    that passed before is answered from the cache on the event loop."""
+    import threading
+    import time
+
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=13)).decode()
+    start = time.perf_counter()
+    bcrypt.checkpw(b"x", hashed.encode())
+    one_check = time.perf_counter() - start
+    web = tmp_path / "web.yml"
+    web.write_text(f"basic_auth_users:\n  prometheus: '{hashed}'\n")
+    registry = CollectorRegistry()
+    handle = instrument.serve(0, "127.0.0.1", registry=registry, system_metrics=False,
+                              web_config_file=str(web))
+    plain = ssl.create_default_context()  # unused over http, but fetch() takes one
+    try:
+        assert fetch(handle.url + "/-/healthy", plain, PASSWORD)[0] == 200  # now cached
+        statuses: list[int] = []
+        wrong = [threading.Thread(target=lambda: statuses.append(
+            fetch(handle.url + "/-/healthy", plain, "wrong")[0])) for _ in range(8)]
+        for t in wrong:
+            t.start()
+        time.sleep(0.05)  # let the wrong ones reach the server and queue
+        begin = time.perf_counter()
+        assert fetch(handle.url + "/-/healthy", plain, PASSWORD)[0] == 200
+        assert time.perf_counter() - begin < one_check / 2
+        for t in wrong:
+            t.join()
+        assert sorted(set(statuses)) == [401, 429], statuses
+    finally:
+        instrument.shutdown(registry)
