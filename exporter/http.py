@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
 import threading
 from concurrent.futures import Future
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from exporter.httpconn import STARTTLS, Server
+from exporter.httpconn import WAITERS, Server
 
 if TYPE_CHECKING:  # loading a web config (PyYAML, bcrypt) is exporter.webconfig's job
     from exporter.webconfig import WebConfig
@@ -59,11 +60,17 @@ class Limits:
 
 
 def connection_cap(limits: Limits) -> int:
-    """max_connections, lowered so that open connections cannot exhaust descriptors."""
+    """max_connections, lowered so that connections (and newcomers waiting, and a batch of
+    accepts) cannot exhaust the descriptors the process has left."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return limits.max_connections
-    return max(4, min(limits.max_connections, soft - _RESERVED_FDS - _ACCEPT_BATCH))
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 0
+    left = soft - in_use - _RESERVED_FDS - _ACCEPT_BATCH - WAITERS
+    return max(4, min(limits.max_connections, left))
 
 
 class ServerHandle:
@@ -97,10 +104,12 @@ class ServerHandle:
         server = self._server
 
         async def stop() -> None:
+            server.closing = True  # a connection accepted from now on is closed at once
             self._aserver.close()
-            for conn in list(server.conns):
+            conns = list(server.tracked)
+            for conn in conns:
                 conn.transport.abort()
-            tasks = list(server.tasks)
+            tasks = [c.task for c in conns if c.task is not None]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -132,15 +141,11 @@ def serve(registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0,
     loop = asyncio.new_event_loop()
     loop.set_exception_handler(_quiet)
     started: Future[asyncio.base_events.Server] = Future()
-    # Python 3.10 has no StreamWriter.start_tls: TLS at accept, before the cap counts it.
-    at_accept = server.tls if not STARTTLS else None
 
     async def start() -> asyncio.base_events.Server:
-        return await asyncio.start_server(
-            server.connection, host, port, ssl=at_accept, limit=_MAX_HEAD,
-            backlog=_ACCEPT_BATCH,
-            reuse_address=True,
-            ssl_handshake_timeout=server.limits.read_header_timeout if at_accept else None)
+        # Plain TCP: TLS starts per connection once admitted (StreamWriter.start_tls).
+        return await asyncio.start_server(server.connection, host, port, limit=_MAX_HEAD,
+                                          backlog=_ACCEPT_BATCH, reuse_address=True)
 
     def run() -> None:
         asyncio.set_event_loop(loop)

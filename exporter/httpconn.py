@@ -42,20 +42,36 @@ _INDEX = """<!doctype html>
 """
 _PATHS = ("/metrics", "/", "/-/healthy")
 _METHODS = ("GET", "HEAD")
-_BCRYPT_QUEUE = 4  # bcrypt checks waiting at most; more get 429
+_BCRYPT_QUEUE = 16  # password checks queued at most, one per peer; more get 429
 _COLLECT_TIMEOUT = 30.0  # without Prometheus's X-Prometheus-Scrape-Timeout-Seconds
-STARTTLS = hasattr(asyncio.StreamWriter, "start_tls")  # Python >= 3.11
+
+
+NEW, IDLE, BUSY, DRAINING = "new", "idle", "busy", "draining"
+# A connection admitted after waiting for a slot (its client sends a request within
+# milliseconds) or whose answer has just been written (its client is reading it) is not
+# evicted before this: waiters cannot knock each other out, nor cut off an answer.
+_GRACE = 0.5
+WAITERS = 16  # newcomers waiting for a slot while none can be evicted; others refused
+_POLL = 0.05  # how often a waiting newcomer looks for a slot
 
 
 class Conn:
-    """One client connection: busy while a request is being answered (not evictable)."""
+    """One client connection: new (no request yet, or its TLS handshake), idle (kept
+    alive, between requests), busy (a request being answered: never evicted) or
+    draining (its answer written, the client reading it)."""
 
-    __slots__ = ("busy", "last", "transport")
+    __slots__ = ("since", "state", "task", "transport", "waited")
 
-    def __init__(self, transport: asyncio.BaseTransport) -> None:
+    def __init__(self, transport: asyncio.BaseTransport, task: asyncio.Task[None] | None
+                 ) -> None:
         self.transport = cast(asyncio.Transport, transport)
-        self.busy = False
-        self.last = time.monotonic()
+        self.task = task
+        self.state = NEW
+        self.since = time.monotonic()
+        self.waited = False
+
+    def set(self, state: str) -> None:
+        self.state, self.since = state, time.monotonic()
 
 
 class Server:
@@ -67,83 +83,96 @@ class Server:
         self.tls = web.ssl_context() if web is not None else None
         self.executor = ThreadPoolExecutor(4, thread_name_prefix="dataloader-exporter-scrape")
         self.bcrypt = ThreadPoolExecutor(1, thread_name_prefix="dataloader-exporter-auth")
-        self.bcrypt_waiting = 0
+        self.bcrypt_peers: set[str] = set()  # peers with a password check queued or running
         self.flight = SingleFlight(registry, self.executor)
-        self.conns: set[Conn] = set()
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.conns: set[Conn] = set()  # admitted, counted against the cap
+        self.tracked: set[Conn] = set()  # every connection, waiting ones too (shutdown)
+        self.closing = False
         self.index = _INDEX.format(version=__version__).encode()
         self.extra_headers = "".join(f"{k}: {v}\r\n" for k, v in (web.headers.items()
                                                                     if web else ()))
         self.failing: set[str] = set()  # problems logged, once each
-        self.freed = asyncio.Event()  # a connection stopped being busy, or closed
-        self.waiting = 0  # new connections waiting for a slot while every one is busy
+        self.waiting = 0  # newcomers waiting for a slot
 
     # --- connections --------------------------------------------------------------
+    def _victim(self) -> Conn | None:
+        """The connection to evict: the one idle longest (kept alive between requests, or
+        new without a request yet), else the oldest draining one past its grace; never a
+        busy one, nor one admitted from the wait within its grace."""
+        now, idle, late = time.monotonic(), [], []
+        for c in self.conns:
+            fresh = now - c.since < _GRACE
+            if c.state == IDLE or (c.state == NEW and not (c.waited and fresh)):
+                idle.append(c)
+            elif c.state == DRAINING and not fresh:
+                late.append(c)
+        pool = idle or late
+        return min(pool, key=lambda c: c.since) if pool else None
+
     def _admit(self, conn: Conn) -> bool:
         if len(self.conns) >= self.cap:
-            idle = [c for c in self.conns if not c.busy]
-            if not idle:
+            victim = self._victim()
+            if victim is None:
                 return False
-            victim = min(idle, key=lambda c: c.last)
             self.conns.discard(victim)
-            victim.transport.abort()
+            if victim.task is not None:
+                victim.task.cancel()  # its finally aborts it (also mid-TLS-handshake)
+            else:
+                victim.transport.abort()
+        conn.set(NEW)
         self.conns.add(conn)
         return True
 
     async def _wait_for_slot(self, conn: Conn) -> bool:
-        """Admits `conn`, waiting (read_header_timeout at most) while every connection is
-        busy answering; at most `cap` newcomers wait, the others are refused at once."""
+        """Admits `conn`, waiting (read_header_timeout at most) while no connection can
+        be evicted; at most _WAITERS newcomers wait, the others are refused at once."""
         if self._admit(conn):
             return True
-        if self.waiting >= self.cap:
+        if self.waiting >= WAITERS:
             return False
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.limits.read_header_timeout
+        deadline = time.monotonic() + self.limits.read_header_timeout
         self.waiting += 1
         try:
-            while not self._admit(conn):
-                self.freed.clear()
-                await asyncio.wait_for(self.freed.wait(), deadline - loop.time())
-        except asyncio.TimeoutError:
+            while not self.closing and time.monotonic() < deadline:
+                await asyncio.sleep(_POLL)
+                if self._admit(conn):
+                    conn.waited = True
+                    return True
             return False
         finally:
             self.waiting -= 1
-        return True
 
     async def connection(self, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> None:
-        conn = Conn(writer.transport)
-        if not await self._wait_for_slot(conn):
-            conn.transport.abort()  # every slot stayed busy answering: refuse
-            return
-        task = asyncio.current_task()
-        if task is not None:
-            self.tasks.add(task)
+        conn = Conn(writer.transport, asyncio.current_task())
+        self.tracked.add(conn)
         clean = False
         try:
-            if self.tls is not None and STARTTLS:
+            if self.closing:
+                return
+            if self.tls is not None:
+                conn.transport.pause_reading()  # the ClientHello is start_tls's to read
+            if not await self._wait_for_slot(conn):
+                return  # no slot came free: refused
+            if self.tls is not None:
                 await writer.start_tls(self.tls,
                                        ssl_handshake_timeout=self.limits.read_header_timeout)
                 conn.transport = cast(asyncio.Transport, writer.transport)
             clean = await self._serve(conn, reader, writer)
-        except (ConnectionError, asyncio.TimeoutError, ssl.SSLError, OSError,
-                asyncio.IncompleteReadError):
-            pass  # the client went away, would not take the answer, or failed TLS
-        except asyncio.CancelledError:
-            raise
+        except (TimeoutError, ConnectionError, ssl.SSLError, OSError,
+                asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # the client went away, would not take the answer, failed TLS; evicted
         except Exception as e:  # a bug must cost one connection, and be seen
             self._problem(type(e).__name__, "HTTP connection failed: %r", e)
         finally:
-            conn.busy = False
-            if clean:  # the answer is written: let it go out, for write_timeout at most
+            conn.set(DRAINING)
+            if clean and not self.closing:  # let the answer go out, write_timeout at most
                 writer.close()
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await asyncio.wait_for(writer.wait_closed(), self.limits.write_timeout)
             conn.transport.abort()
             self.conns.discard(conn)
-            self.freed.set()
-            if task is not None:
-                self.tasks.discard(task)
+            self.tracked.discard(conn)
 
     async def _serve(self, conn: Conn, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> bool:
@@ -153,30 +182,31 @@ class Server:
             try:
                 request = await self._read_request(reader, wait)
             except Reply as e:
-                conn.busy = True
+                conn.set(BUSY)
                 await self._send(conn, writer, e.status, TEXT,
                                  f"{REASONS[e.status]}\n".encode(), None, False)
                 return True
             if request is None:
                 return True
-            conn.busy = True
+            conn.set(BUSY)
             keep = await self._answer(conn, request, writer)
             if not keep:
                 return True
+            conn.set(IDLE)
             wait = self.limits.idle_timeout
 
     async def _read_request(self, reader: asyncio.StreamReader, idle: float) -> Request | None:
         """The next request head, None when the client closed or stayed idle."""
         try:
             first = await asyncio.wait_for(reader.read(1), idle)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
         if not first:
             return None
         try:
             rest = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"),
                                           self.limits.read_header_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Reply(408) from None
         except asyncio.LimitOverrunError:
             raise Reply(431) from None
@@ -188,7 +218,7 @@ class Server:
     async def _answer(self, conn: Conn, request: Request,
                       writer: asyncio.StreamWriter) -> bool:
         keep, head_only = request.keep_alive, request.method == "HEAD"
-        status = await self._authorize(request)
+        status = await self._authorize(request, _peer(writer))
         if status is not None:
             extra = 'WWW-Authenticate: Basic realm="dataloader-exporter"\r\n' if status == 401 \
                 else "Retry-After: 1\r\n"
@@ -211,20 +241,23 @@ class Server:
             await self._metrics(conn, request, writer, head_only)
         return keep
 
-    async def _authorize(self, request: Request) -> int | None:
-        """None when the request may pass, else the status to answer (401 or 429)."""
+    async def _authorize(self, request: Request, peer: str) -> int | None:
+        """None when the request may pass, else the status to answer (401 or 429).
+
+        One password check at a time per peer address, _BCRYPT_QUEUE in all: a client
+        flooding wrong passwords holds one place in the queue, not everyone's."""
         web = self.web
         header = request.headers.get("authorization")
         if web is None or web.known(header):  # no users, or a cached success: no bcrypt
             return None
-        if self.bcrypt_waiting >= _BCRYPT_QUEUE:
+        if peer in self.bcrypt_peers or len(self.bcrypt_peers) >= _BCRYPT_QUEUE:
             return 429
-        self.bcrypt_waiting += 1
+        self.bcrypt_peers.add(peer)
         try:
             loop = asyncio.get_running_loop()
             ok = await loop.run_in_executor(self.bcrypt, web.authorized, header)
         finally:
-            self.bcrypt_waiting -= 1
+            self.bcrypt_peers.discard(peer)
         return None if ok else 401
 
     async def _metrics(self, conn: Conn, request: Request, writer: asyncio.StreamWriter,
@@ -234,7 +267,7 @@ class Server:
         try:
             body = await asyncio.wait_for(self.flight.body((openmetrics, gzipped)),
                                           _scrape_timeout(request))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._problem("slow", "a collection took longer than the scrape allows")
             await self._send(conn, writer, 503, TEXT, b"collection timed out\n", request,
                              request.keep_alive, head_only=head_only)
@@ -258,15 +291,19 @@ class Server:
                                    extra + self.extra_headers))
         if not head_only:
             writer.write(body)  # not head + body: that copies a 1 MB body per client
-        # Waiting for the client to take it: evictable, as an idle connection is.
-        conn.busy, conn.last = False, time.monotonic()
-        self.freed.set()
+        # Waiting for the client to take it: evictable once past its grace.
+        conn.set(DRAINING)
         await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
 
     def _problem(self, key: str, msg: str, *args: object) -> None:
         if key not in self.failing:
             self.failing.add(key)
             log.error(msg, *args)
+
+
+def _peer(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
 
 
 def _scrape_timeout(request: Request) -> float:

@@ -34,11 +34,15 @@ class Reply(Exception):
 
 def parse_head(data: bytes) -> Request:
     """Request line and headers; Reply(400/505) when they are not HTTP/1.x."""
-    lines = data.decode("latin-1").split("\r\n")
+    lines = data.decode("latin-1").lstrip("\r\n").split("\r\n")  # RFC 9112 2.2: blank lines
     parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[1].startswith("/"):
+    if len(parts) != 3:
         raise Reply(400)
     method, target, version = parts
+    if target.startswith(("http://", "https://")):  # the absolute form: keep the path
+        target = "/" + target.split("://", 1)[1].partition("/")[2]
+    if not target.startswith("/"):
+        raise Reply(400)
     if version not in ("HTTP/1.1", "HTTP/1.0"):
         raise Reply(505 if version.startswith("HTTP/") else 400)
     headers: dict[str, str] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import resource
 import shutil
@@ -343,3 +344,108 @@ def test_a_symlinked_secret_never_reaches_the_log_and_a_bad_file_counts_once(
     log = "".join(exp.lines)
     assert "hunter2" not in log and "API_TOKEN" not in log
     assert "'x.prom'" in log and "'y.prom'" in log  # named, with the reason
+
+
+class Gate:
+    """A collector that blocks every collection until opened: scrapes stay busy."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        self.open.wait(20)
+        yield from ()
+
+
+@contextlib.contextmanager
+def gated_server(cap: int, web_file: Path | None = None) -> Iterator[tuple[Gate, object]]:
+    from exporter import webconfig
+    from exporter.http import Limits, serve
+
+    registry, gate = CollectorRegistry(), Gate()
+    registry.register(gate)  # type: ignore[arg-type]
+    web = webconfig.load(str(web_file)) if web_file is not None else None
+    handle = serve(registry, "127.0.0.1", 0, web, Limits(max_connections=cap,
+                                                          read_header_timeout=5))
+    try:
+        yield gate, handle
+    finally:
+        gate.open.set()
+        handle.shutdown()
+
+
+def fetch_status(url: str, ctx: object = None) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=15, context=ctx) as r:  # type: ignore[arg-type]
+            r.read()
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def test_newcomers_wait_for_busy_slots_and_are_all_served_in_turn_over_tls(
+        tmp_path: Path) -> None:
+    import ssl
+
+    from tls import make_tls_files
+
+    tls = make_tls_files(tmp_path / "tls")
+    web = tmp_path / "web.yml"
+    web.write_text(f"tls_server_config:\n  cert_file: {tls.server_cert}\n"
+                   f"  key_file: {tls.server_key}\n")
+    ctx = ssl.create_default_context(cafile=str(tls.ca_cert))
+    with gated_server(4, web) as (gate, handle), ThreadPoolExecutor(7) as pool:
+        url = handle.url + "/metrics"  # type: ignore[attr-defined]
+        busy = [pool.submit(fetch_status, url, ctx) for _ in range(4)]  # 4: the least cap
+        deadline_poll(lambda: len(handle._server.conns) == 4 and all(  # type: ignore
+            c.state == "busy" for c in handle._server.conns), 10)  # type: ignore[attr-defined]
+        waiters = [pool.submit(fetch_status, url, ctx) for _ in range(3)]
+        deadline_poll(lambda: handle._server.waiting == 3, 10)  # type: ignore[attr-defined]
+        gate.open.set()
+        # Each waiter takes a freed slot and keeps it through its TLS handshake.
+        assert [f.result() for f in busy + waiters] == [200] * 7
+
+
+def test_shutdown_closes_newcomers_still_waiting_for_a_slot() -> None:
+    with gated_server(4) as (_gate, handle), ThreadPoolExecutor(4) as pool:
+        host, port = handle.host, handle.port  # type: ignore[attr-defined]
+        busy = [pool.submit(fetch_status, handle.url + "/metrics")  # type: ignore[attr-defined]
+                for _ in range(4)]
+        deadline_poll(lambda: len(handle._server.conns) == 4, 10)  # type: ignore[attr-defined]
+        with socket.create_connection((host, port), timeout=10) as waiter:
+            waiter.sendall(get("/-/healthy"))
+            deadline_poll(lambda: handle._server.waiting == 1, 10)  # type: ignore[attr-defined]
+            start = time.monotonic()
+            handle.shutdown()  # type: ignore[attr-defined]
+            assert time.monotonic() - start < 3
+            assert closed_by_server(waiter, 5)
+            assert not handle._server.tracked  # type: ignore[attr-defined]
+        for f in busy:
+            with contextlib.suppress(OSError):
+                f.result()
+
+
+def test_evicting_connections_that_never_start_tls_is_quiet(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import ssl
+
+    from tls import make_tls_files
+
+    tls = make_tls_files(tmp_path / "tls")
+    web = tmp_path / "web.yml"
+    web.write_text(f"tls_server_config:\n  cert_file: {tls.server_cert}\n"
+                   f"  key_file: {tls.server_key}\n")
+    ctx = ssl.create_default_context(cafile=str(tls.ca_cert))
+    with gated_server(4, web) as (gate, handle):
+        gate.open.set()
+        host, port = handle.host, handle.port  # type: ignore[attr-defined]
+        held = [socket.create_connection((host, port), timeout=10) for _ in range(40)]
+        try:
+            assert fetch_status(handle.url + "/metrics", ctx) == 200  # type: ignore[attr-defined]
+        finally:
+            for s in held:
+                s.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

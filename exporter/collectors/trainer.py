@@ -119,6 +119,8 @@ class TrainerCollector:
     def _collect(self) -> list[Family]:
         now = self.clock()
         entries = self._list()
+        if entries is None:  # unreadable for now: keep what is known of the files
+            return [self._errors()]
         fresh, stale = self._classify(entries, now)
         merged: dict[str, list[str]] = {m.name: [] for m in _TRAINER}
         claimed: set[Owner] = set()  # (loader, rank) pairs of newer files
@@ -133,17 +135,20 @@ class TrainerCollector:
         files = family(cat.SNAPSHOT_FILES)
         files.add_metric(["fresh"], len(fresh))
         files.add_metric(["stale"], stale)
-        errors = family(cat.SNAPSHOT_ERRORS)
-        for reason, n in self.rejected.items():
-            errors.add_metric([reason], n)
-        out += [files, errors]
+        out += [files, self._errors()]
         if newest is not None:
             age = family(cat.SNAPSHOT_AGE)
             age.add_metric([], max(0.0, now - newest))
             out.append(age)
         return out
 
-    def _list(self) -> list[os.DirEntry[str]]:
+    def _errors(self) -> Family:
+        errors = family(cat.SNAPSHOT_ERRORS)
+        for reason, n in self.rejected.items():
+            errors.add_metric([reason], n)
+        return errors
+
+    def _list(self) -> list[os.DirEntry[str]] | None:
         try:
             with os.scandir(self.directory) as it:
                 entries = list(it)
@@ -152,7 +157,7 @@ class TrainerCollector:
             self.errors += 1
             self._log.problem("dir", "cannot read metrics directory %s: %s", self.directory,
                               e.strerror or type(e).__name__)
-            return []
+            return None
         self.up = True
         self._log.cleared("dir", "metrics directory %s is readable again", self.directory)
         return entries
