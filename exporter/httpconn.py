@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, cast
 from prometheus_client import CollectorRegistry
 
 from exporter import __version__
+from exporter.collectors.base import LogOnce
 from exporter.httpwire import (
     REASONS,
     TEXT,
@@ -91,7 +92,7 @@ class Server:
         self.index = _INDEX.format(version=__version__).encode()
         self.extra_headers = "".join(f"{k}: {v}\r\n" for k, v in (web.headers.items()
                                                                     if web else ()))
-        self.failing: set[str] = set()  # problems logged, once each
+        self.log = LogOnce(log, logging.ERROR)
         self.waiting = 0  # newcomers waiting for a slot
 
     # --- connections --------------------------------------------------------------
@@ -163,7 +164,7 @@ class Server:
                 asyncio.IncompleteReadError, asyncio.CancelledError):
             pass  # the client went away, would not take the answer, failed TLS; evicted
         except Exception as e:  # a bug must cost one connection, and be seen
-            self._problem(type(e).__name__, "HTTP connection failed: %r", e)
+            self.log.problem(type(e).__name__, "HTTP connection failed: %r", e)
         finally:
             conn.set(DRAINING)
             if clean and not self.closing:  # let the answer go out, write_timeout at most
@@ -268,17 +269,17 @@ class Server:
             body = await asyncio.wait_for(self.flight.body((openmetrics, gzipped)),
                                           _scrape_timeout(request))
         except TimeoutError:
-            self._problem("slow", "a collection took longer than the scrape allows")
+            self.log.problem("slow", "a collection took longer than the scrape allows")
             await self._send(conn, writer, 503, TEXT, b"collection timed out\n", request,
                              request.keep_alive, head_only=head_only)
             return
         except Exception as e:
-            self._problem("collect", "collecting metrics failed: %s", type(e).__name__)
+            self.log.problem("collect", "collecting metrics failed: %s", type(e).__name__)
             await self._send(conn, writer, 500, TEXT, b"error collecting metrics\n", request,
                              request.keep_alive, head_only=head_only)
             return
-        self.failing.discard("collect")
-        self.failing.discard("slow")
+        self.log.cleared("collect")
+        self.log.cleared("slow")
         extra = "Content-Encoding: gzip\r\n" if gzipped else ""
         await self._send(conn, writer, 200, content_type(openmetrics), body, request,
                          request.keep_alive, extra + "Vary: Accept, Accept-Encoding\r\n",
@@ -294,11 +295,6 @@ class Server:
         # Waiting for the client to take it: evictable once past its grace.
         conn.set(DRAINING)
         await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
-
-    def _problem(self, key: str, msg: str, *args: object) -> None:
-        if key not in self.failing:
-            self.failing.add(key)
-            log.error(msg, *args)
 
 
 def _peer(writer: asyncio.StreamWriter) -> str:

@@ -30,14 +30,15 @@ class SourceCollector(Protocol):
 class LogOnce:
     """Logs a problem the first time it is seen and again only after it cleared."""
 
-    def __init__(self, logger: logging.Logger = log) -> None:
+    def __init__(self, logger: logging.Logger = log, level: int = logging.WARNING) -> None:
         self._logger = logger
+        self._level = level
         self._active: set[str] = set()
 
     def problem(self, key: str, msg: str, *args: object) -> None:
         if key not in self._active:
             self._active.add(key)
-            self._logger.warning(msg, *args)
+            self._logger.log(self._level, msg, *args)
 
     def cleared(self, key: str, msg: str = "", *args: object) -> None:
         if key in self._active:
