@@ -186,22 +186,6 @@ def build(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
             problems.append(f"{flag} {text!r}: must be a positive duration (30, 30s, 2m)")
             return default
 
-    stale_after = seconds("stale_after", "STALE_AFTER", "--stale-after", DEFAULT_STALE_AFTER)
-    defaults = Limits()
-    read_header = seconds("read_header_timeout", "WEB_READ_HEADER_TIMEOUT",
-                          "--web.read-header-timeout", defaults.read_header_timeout)
-    idle = seconds("idle_timeout", "WEB_IDLE_TIMEOUT", "--web.idle-timeout",
-                   defaults.idle_timeout)
-    max_conn_text = pick("max_connections", "WEB_MAX_CONNECTIONS")
-    max_connections = defaults.max_connections
-    if max_conn_text is not None:
-        if max_conn_text.strip().isdecimal() and int(max_conn_text) > 0:
-            max_connections = int(max_conn_text)
-        else:
-            problems.append(f"--web.max-connections {max_conn_text!r}: must be a positive "
-                            "whole number")
-    limits = Limits(max_connections, read_header, idle, defaults.write_timeout)
-
     def count(attr: str, var: str, flag: str, default: int) -> int:
         text = pick(attr, var)
         if text is None:
@@ -210,6 +194,16 @@ def build(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
             return int(text)
         problems.append(f"{flag} {text!r}: must be a positive whole number")
         return default
+
+    stale_after = seconds("stale_after", "STALE_AFTER", "--stale-after", DEFAULT_STALE_AFTER)
+    defaults = Limits()
+    read_header = seconds("read_header_timeout", "WEB_READ_HEADER_TIMEOUT",
+                          "--web.read-header-timeout", defaults.read_header_timeout)
+    idle = seconds("idle_timeout", "WEB_IDLE_TIMEOUT", "--web.idle-timeout",
+                   defaults.idle_timeout)
+    max_connections = count("max_connections", "WEB_MAX_CONNECTIONS", "--web.max-connections",
+                            defaults.max_connections)
+    limits = Limits(max_connections, read_header, idle, defaults.write_timeout)
 
     max_file_bytes = count("max_file_bytes", "COLLECTOR_TRAINER_MAX_FILE_BYTES",
                            "--collector.trainer.max-file-bytes", DEFAULT_MAX_FILE_BYTES)
