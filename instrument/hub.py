@@ -90,19 +90,19 @@ class Hub:
         --web.config.file does. Raises OSError when the port is taken by anything else,
         exporter.webconfig.WebConfigError (a ValueError) when the web config is bad.
         """
-        web = None
-        if web_config_file is not None:
-            from exporter import webconfig
-
-            web = webconfig.load(web_config_file)
         with self._lock:
             handle = self._servers.get((addr, port)) if port else None
             if handle is not None and not handle.closed and (
-                    (handle.web.path if handle.web else None) != (web.path if web else None)):
+                    (handle.web.path if handle.web else None) != web_config_file):
                 raise ValueError(f"{addr}:{port} is served already, with another web config "
                                  f"({handle.web.path if handle.web else 'none'}): shut it "
                                  "down first, or pass the same web_config_file")
             if handle is None or handle.closed:
+                web = None
+                if web_config_file is not None:  # loaded for a new server only
+                    from exporter import webconfig
+
+                    web = webconfig.load(web_config_file)
                 handle = http_serve(self.registry, addr, port, web)
                 self._servers[(addr, handle.port)] = handle
             if system_metrics and self._system is None:
