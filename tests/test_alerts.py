@@ -4,35 +4,20 @@ tests where every alert fires once and stays quiet once."""
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
-from typing import Any
 
 import yaml
+from rulefiles import FILES, promtool_run, write_rule_file
 from test_dashboards import known_series, metric_names
 
-from dashboards import build, model
+from dashboards import model
 from dashboards.alert_cases import CASES
 from dashboards.alerting import EXPR_UID, expand, prometheus_rules
 from dashboards.alerts import ALERTS
 
-FILES = build.files()
 GRAFANA = yaml.safe_load(FILES["grafana/provisioning/alerting/alerts.yaml"])
 RULES = yaml.safe_load(FILES["prometheus/rules.yml"])
 DURATION = re.compile(r"\d+[smhd]")
-
-
-def write_rules(tmp_path: Path, rules: dict[str, Any] | None = None) -> Path:
-    """The generated rule file and its tests in tmp_path; returns the tests' path."""
-    (tmp_path / "rules.yml").write_text(
-        FILES["prometheus/rules.yml"] if rules is None else build.to_yaml(rules))
-    tests = tmp_path / "rules.test.yml"
-    tests.write_text(FILES["prometheus/rules.test.yml"])
-    return tests
-
-
-def promtool_run(promtool: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([promtool, *args], capture_output=True, text=True, timeout=120)
 
 
 def test_the_issues_alerts_are_all_there_with_a_fix_in_each_description() -> None:
@@ -105,7 +90,7 @@ def test_grafana_and_prometheus_carry_the_same_alerts() -> None:
 
 
 def test_the_rule_file_passes_promtool_check_rules(tmp_path: Path, promtool: str) -> None:
-    write_rules(tmp_path)
+    write_rule_file(tmp_path, "rules")
     result = promtool_run(promtool, "check", "rules", str(tmp_path / "rules.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(ALERTS)} rules found" in result.stdout
@@ -122,7 +107,7 @@ def test_every_alert_has_a_case_where_it_fires_and_one_where_it_stays_quiet() ->
 
 
 def test_promtool_unit_tests_pass_for_every_alert(tmp_path: Path, promtool: str) -> None:
-    result = promtool_run(promtool, "test", "rules", str(write_rules(tmp_path)))
+    result = promtool_run(promtool, "test", "rules", str(write_rule_file(tmp_path, "rules")))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -131,7 +116,8 @@ def test_the_unit_tests_catch_an_alert_that_never_fires(tmp_path: Path, promtool
     silent = prometheus_rules(ALERTS)
     for rule in silent["groups"][0]["rules"]:
         rule["expr"] = "vector(1) > 2"
-    result = promtool_run(promtool, "test", "rules", str(write_rules(tmp_path, silent)))
+    tests = write_rule_file(tmp_path, "rules", silent)
+    result = promtool_run(promtool, "test", "rules", str(tests))
     assert result.returncode != 0
     for a in ALERTS:
         assert f"alertname: {a.name}," in result.stdout + result.stderr, a.name

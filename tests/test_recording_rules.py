@@ -5,33 +5,17 @@ cases. (test_dashboards_live runs them in a real Prometheus against a real run.)
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
-from typing import Any
 
 import yaml
+from rulefiles import FILES, promtool_run, write_rule_file
 from test_dashboards import known_series, metric_names
 
-from dashboards import build, recording
-
-FILES = build.files()
-
-
-def promtool_run(promtool: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([promtool, *args], capture_output=True, text=True, timeout=120)
-
-
-def write(tmp_path: Path, rules: dict[str, Any] | None = None) -> Path:
-    """The generated recording rules (or `rules`) and their tests in tmp_path."""
-    (tmp_path / "recording.yml").write_text(
-        FILES["prometheus/recording.yml"] if rules is None else build.to_yaml(rules))
-    tests = tmp_path / "recording.test.yml"
-    tests.write_text(FILES["prometheus/recording.test.yml"])
-    return tests
+from dashboards import recording
 
 
 def test_the_recording_rules_pass_promtool_check_rules(tmp_path: Path, promtool: str) -> None:
-    write(tmp_path)
+    write_rule_file(tmp_path, "recording")
     result = promtool_run(promtool, "check", "rules", str(tmp_path / "recording.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(recording.RULES)} rules found" in result.stdout
@@ -39,7 +23,7 @@ def test_the_recording_rules_pass_promtool_check_rules(tmp_path: Path, promtool:
 
 def test_promtool_unit_tests_pass_for_every_recording_rule(tmp_path: Path,
                                                           promtool: str) -> None:
-    result = promtool_run(promtool, "test", "rules", str(write(tmp_path)))
+    result = promtool_run(promtool, "test", "rules", str(write_rule_file(tmp_path, "recording")))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -81,7 +65,8 @@ def test_the_job_stall_is_the_worst_rank_not_the_mean_over_ranks(tmp_path: Path,
     for rule in wrong["groups"][0]["rules"]:
         if rule["record"] in (recording.FETCH_PER_BATCH, recording.BATCH_PERIOD):
             rule["expr"] = rule["expr"].replace("max by", "avg by")
-    result = promtool_run(promtool, "test", "rules", str(write(tmp_path, wrong)))
+    tests = write_rule_file(tmp_path, "recording", wrong)
+    result = promtool_run(promtool, "test", "rules", str(tests))
     assert result.returncode != 0
     out = result.stdout + result.stderr
     assert recording.INPUT_STALL in out and "3.125E-01" in out  # the mean, not 5E-01
