@@ -11,6 +11,7 @@ import json
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -30,9 +31,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def http_get(url: str, timeout: float = 10.0) -> tuple[int, str]:
+def http_get(url: str, timeout: float = 10.0, context: ssl.SSLContext | None = None,
+             headers: dict[str, str] | None = None) -> tuple[int, str]:
+    """(status, body) of a GET; an HTTP error status is returned, not raised."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
+                                    timeout=timeout, context=context) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()

@@ -13,6 +13,7 @@ import os
 import resource
 import shutil
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from helpers import deadline_poll
-from procs import Exporter
+from procs import Exporter, http_get
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families
@@ -374,21 +375,12 @@ def gated_server(cap: int, web_file: Path | None = None) -> Iterator[tuple[Gate,
         handle.shutdown()
 
 
-def fetch_status(url: str, ctx: object = None) -> int:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=15, context=ctx) as r:  # type: ignore[arg-type]
-            r.read()
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
+def fetch_status(url: str, ctx: ssl.SSLContext | None = None) -> int:
+    return http_get(url, 15, ctx)[0]
 
 
 def test_newcomers_wait_for_busy_slots_and_are_all_served_in_turn_over_tls(
         tmp_path: Path) -> None:
-    import ssl
 
     from tls import make_tls_files
 
@@ -430,7 +422,6 @@ def test_shutdown_closes_newcomers_still_waiting_for_a_slot() -> None:
 
 def test_evicting_connections_that_never_start_tls_is_quiet(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    import ssl
 
     from tls import make_tls_files
 

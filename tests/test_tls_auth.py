@@ -14,7 +14,7 @@ from pathlib import Path
 import bcrypt
 import pytest
 from conftest import require_binary
-from procs import Exporter, Prometheus
+from procs import Exporter, Prometheus, http_get
 from prometheus_client import CollectorRegistry
 from tls import TlsFiles, make_tls_files
 
@@ -49,12 +49,7 @@ def fetch(url: str, ctx: ssl.SSLContext, password: str | None) -> tuple[int, str
     if password is not None:
         token = base64.b64encode(f"prometheus:{password}".encode()).decode()
         headers["Authorization"] = f"Basic {token}"
-    req = urllib.request.Request(url, headers=headers)
-    try:
-        with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+    return http_get(url, 10, ctx, headers)
 
 
 def plain_http_answer(address: str) -> bytes:
