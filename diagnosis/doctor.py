@@ -2,14 +2,20 @@
 
 Verdicts use the input-bound bands of TensorFlow's profiler (stall share = time waiting
 for data / (waiting + computing)): 20% and above is input-bound, 5-20% moderately, under
-5% not. Every recommendation carries the one sentence that says why.
+5% not, judged on the whole percent the report prints, so a verdict never changes while
+its figure stays the same. Every recommendation carries the one sentence that says why,
+and none is drawn from a figure that is missing. Across ranks (diagnosis.jobs) the job's
+stall is the slowest input's; an input straggler gets the advice, and the ranks that
+only wait for it get none about their own loader.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
+from diagnosis import advisor
+from diagnosis.jobs import Job, RankTimes, points, rank_times
 from diagnosis.machine import Machine
 from diagnosis.signals import LoaderSignals
 
@@ -18,7 +24,7 @@ MODERATE = 0.05
 SHM_SAFETY = 1.5
 FIRST_BATCH_FACTOR = 10.0  # a first batch this many times the median wait is a stall
 FIRST_BATCH_MIN = 0.5  # seconds: shorter first batches are not worth a finding
-STORAGE_WORKERS = {"ssd": 4, "rotational": 4, "nvme": 12, "network": 16}
+STORAGE_WORKERS = advisor.STORAGE_WORKERS
 GiB = 1024**3
 
 VERDICTS = {"input-bound": "INPUT-BOUND", "moderately input-bound": "MODERATELY INPUT-BOUND",
@@ -27,7 +33,9 @@ VERDICTS = {"input-bound": "INPUT-BOUND", "moderately input-bound": "MODERATELY 
 
 @dataclass
 class Finding:
-    kind: str  # epoch-start-stall, lost-workers, shm-risk, host-memory-risk, swap
+    # epoch-start-stall, lost-workers, shm-risk, host-memory-risk, swap, input-straggler,
+    # waits-for-straggler
+    kind: str
     message: str
 
 
@@ -54,20 +62,22 @@ class Diagnosis:
 
 
 def verdict(stall: float | None, batches: float) -> str:
+    """The band of the stall share as printed (whole percent)."""
     if stall is None or batches <= 0:
         return "idle"
-    if stall >= INPUT_BOUND:
+    pct = points(stall)
+    if pct >= points(INPUT_BOUND):
         return "input-bound"
-    if stall >= MODERATE:
+    if pct >= points(MODERATE):
         return "moderately input-bound"
     return "not input-bound"
 
 
-def _int(text: str | None, default: int = 0) -> int:
+def _int(text: str | None) -> int | None:
     try:
-        return int(text) if text not in (None, "") else default
+        return int(text) if text not in (None, "") else None
     except ValueError:
-        return default
+        return None
 
 
 def _flag(text: str | None) -> bool | None:
@@ -88,9 +98,12 @@ def shm_size_advice(needed: float) -> str:
     return f"{max(1, math.ceil(needed * 1.25 / GiB))}g"
 
 
-def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1) -> Diagnosis:
-    """The diagnosis of one (loader, rank)."""
+def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1,
+             job: Job | None = None) -> Diagnosis:
+    """The diagnosis of one (loader, rank); `job` is its loader across the job's ranks."""
     stall = s.stall_share
+    times = rank_times(s)
+    waiting = job.waiting.get(s.rank) if job else None
     d = Diagnosis(s.loader, s.rank, verdict(stall, s.batches), {
         "stall_share": stall, "batches_per_second": s.batches_per_second,
         "samples_per_second": s.samples_per_second, "fetch_p50_seconds": s.fetch_p50,
@@ -98,60 +111,122 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1) -> Diagno
         "median_wait_seconds": s.median_wait, "worker_cpu_share": s.worker_cpu_share,
         "workers_configured": s.workers_configured, "workers_active": s.workers_active,
         "batch_bytes": s.batch_bytes, "gpu_utilization": s.gpu_utilization,
-        "window_seconds": s.seconds})
-    cfg = s.config
-    workers = _int(cfg.get("num_workers"), int(s.workers_configured or 0))
-    prefetch = _int(cfg.get("prefetch_factor"), 2) or 2
-    persistent = _flag(cfg.get("persistent_workers"))
-    pin = _flag(cfg.get("pin_memory"))
-    starved = d.verdict in ("input-bound", "moderately input-bound")
-    cuda = s.gpu_utilization is not None
+        "window_seconds": s.seconds, "local_ranks": float(local_ranks),
+        "fetch_per_batch_seconds": times.fetch if times else None,
+        "step_per_batch_seconds": times.step if times else None,
+        "waiting_for_other_ranks_seconds_per_batch": waiting})
+    _findings(d, s, machine, local_ranks)
+    if job and job.stragglers:
+        if s.rank not in job.straggler_ranks:
+            d.findings.append(_waits(job, s.rank, times))
+            return d  # its loader is not what holds the job back: no advice for it
+        d.findings.append(_straggler(job, s.rank))
+    _recommend(d, s, machine, local_ranks)
+    return d
 
-    # --- findings -------------------------------------------------------------------
+
+def _straggler(job: Job, rank: str) -> Finding:
+    [me] = [x for x in job.stragglers if x.rank == rank]
+    others = [w / (w + job.fastest_step_per_batch) for r, w in job.waiting.items()
+              if r not in job.straggler_ranks and job.fastest_step_per_batch is not None
+              and w + job.fastest_step_per_batch > 0]
+    held = f"; the other ranks spend about {pct(sum(others) / len(others))} of their step " \
+           "waiting for it" if others else ""
+    return Finding("input-straggler", (
+        f"input straggler: rank {rank} waits {ms(me.fetch_per_batch)} a batch for input "
+        f"against {ms(job.median_fetch_per_batch)} for the median rank, "
+        f"{pct(me.excess_share)} of the job's batch period{held}; its loader, storage, "
+        "cores and /dev/shm are what to fix"))
+
+
+def _waits(job: Job, rank: str, times: RankTimes | None) -> Finding:
+    wait = job.waiting.get(rank)
+    step = times.step if times else None
+    part = (f"about {ms(wait)} of its {ms(step)} step a batch ({pct(wait / step)}) is "
+            "waiting for them in the collective, not compute (estimated: its step minus the "
+            "fastest rank's)" if wait is not None and step else "its step includes waiting "
+            "for them in the collective")
+    who = ", ".join(job.straggler_ranks)
+    return Finding("waits-for-straggler", (
+        f"waits for rank{'s' if len(job.stragglers) > 1 else ''} {who}: {part}; fix "
+        f"rank {who}'s input, not this rank's loader"))
+
+
+def _findings(d: Diagnosis, s: LoaderSignals, machine: Machine, local_ranks: int) -> None:
     if (s.first_batch_mean is not None and s.first_batch_mean >= FIRST_BATCH_MIN and
             s.first_batch_mean > FIRST_BATCH_FACTOR * (s.median_wait or 0.0)):
         ratio = s.first_batch_mean / s.median_wait if s.median_wait else math.inf
         d.findings.append(Finding("epoch-start-stall", (
             f"epoch-start stall: the first batch of an epoch takes {s.first_batch_mean:.2f} s "
-            f"against a median wait of {_ms(s.median_wait)} (x{ratio:.0f})")))
-    if s.workers_lost > 0 or (s.workers_active is not None and s.workers_configured
-                              and s.batches > 0 and s.workers_active < s.workers_configured):
+            f"against a median wait of {ms(s.median_wait)} (x{ratio:.0f})")))
+    if s.workers_lost > 0:  # counted only for workers that died while still needed
+        alive = ("" if s.workers_active is None or s.workers_configured is None else
+                 f"; {s.workers_active:.0f} of {s.workers_configured:.0f} alive now")
         d.findings.append(Finding("lost-workers", (
-            f"lost workers: {s.workers_lost:.0f} died; {s.workers_active or 0:.0f} of "
-            f"{s.workers_configured or 0:.0f} alive (out of memory? check dmesg for the OOM "
-            "killer and /dev/shm)")))
-    rec_workers = _recommend_workers(workers, starved, machine, local_ranks, cuda)
-    in_flight = 0.0
-    if s.batch_bytes:
-        in_flight = shm_in_flight(s.batch_bytes, prefetch, max(workers, rec_workers), local_ranks)
-    shm_total = s.shm_size if s.shm_size is not None else machine.shm_size
-    if in_flight and shm_total is not None and in_flight > shm_total:
-        d.findings.append(Finding("shm-risk", (
-            f"/dev/shm risk: batches in flight need {_gib(in_flight)} "
-            f"(batch {_gib(s.batch_bytes or 0)} x prefetch {prefetch} x "
-            f"{max(workers, rec_workers)} workers x {local_ranks} ranks x {SHM_SAFETY}) but "
-            f"/dev/shm holds {_gib(shm_total)}: expect bus errors")))
-    available = s.memory_available if s.memory_available is not None else machine.memory_available
-    if in_flight and available and in_flight > available:
-        d.findings.append(Finding("host-memory-risk", (
-            f"host memory risk: batches in flight need {_gib(in_flight)} but only "
-            f"{_gib(available)} is available")))
+            f"lost workers: {s.workers_lost:.0f} died while the loader needed them{alive} "
+            "(out of memory? check dmesg for the OOM killer and /dev/shm)")))
+    cfg = _config(s)
+    if s.batch_bytes and cfg.workers:
+        in_flight = shm_in_flight(s.batch_bytes, cfg.prefetch, cfg.workers, local_ranks)
+        shm_total = s.shm_size if s.shm_size is not None else machine.shm_size
+        if shm_total is not None and in_flight > shm_total:
+            d.findings.append(Finding("shm-risk", (
+                f"/dev/shm risk: batches in flight need {gib(in_flight)} "
+                f"(batch {gib(s.batch_bytes)} x prefetch {cfg.prefetch} x {cfg.workers} "
+                f"workers x {local_ranks} ranks x {SHM_SAFETY}) but /dev/shm holds "
+                f"{gib(shm_total)}: expect bus errors")))
+        available = (s.memory_available if s.memory_available is not None
+                     else machine.memory_available)
+        if available and in_flight > available:
+            d.findings.append(Finding("host-memory-risk", (
+                f"host memory risk: batches in flight need {gib(in_flight)} but only "
+                f"{gib(available)} is available")))
     if s.swap_used and (s.swap_growth > 0 or (s.memory_total and s.memory_available and
                                               s.memory_available < 0.1 * s.memory_total)):
         d.findings.append(Finding("swap", (
-            f"swap in use ({_gib(s.swap_used)}) and growing: workers are paging; use fewer "
+            f"swap in use ({gib(s.swap_used)}) and growing: workers are paging; use fewer "
             "workers or a smaller prefetch_factor")))
 
-    # --- recommendations -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Config:
+    workers: int | None  # None: unknown (no dataloader_info, no workers gauge)
+    prefetch: int
+    persistent: bool | None
+    pin: bool | None
+
+
+def _config(s: LoaderSignals) -> _Config:
+    cfg = s.config
+    workers = _int(cfg.get("num_workers"))
+    if workers is None and s.workers_configured is not None:
+        workers = int(s.workers_configured)
+    return _Config(workers, _int(cfg.get("prefetch_factor")) or 2,
+                   _flag(cfg.get("persistent_workers")), _flag(cfg.get("pin_memory")))
+
+
+def _recommend(d: Diagnosis, s: LoaderSignals, machine: Machine, local_ranks: int) -> None:
+    cfg = _config(s)
+    stall = s.stall_share
+    starved = d.verdict in ("input-bound", "moderately input-bound")
+    cuda = s.gpu_utilization is not None
     rec = d.recommendations
-    cores = _worker_cores(machine, local_ranks, cuda)
+    if cfg.workers is None:
+        return  # the loader's settings are unknown: no advice about them
+    workers, prefetch = cfg.workers, cfg.prefetch
+    rec_workers = advisor.advised_workers(workers, starved, machine.cpu, local_ranks, cuda,
+                                          machine.storage)
+    cores = advisor.worker_cores(machine.cpu, local_ranks, cuda)
     if rec_workers != workers:
         spare = "" if cuda else ", keeping a core for the training loop, which runs on the CPU"
         n_cores = f"{cores} core{'' if cores == 1 else 's'}"
-        why = (f"the loop waits for data {_pct(stall)} of the time and {n_cores} per "
-               f"local rank can load in parallel (storage: {machine.storage}{spare})"
+        share = (f"{machine.cpu.describe()} shared by {local_ranks} local rank"
+                 f"{'' if local_ranks == 1 else 's'}")
+        why = (f"the loop waits for data {pct(stall)} of the time and {n_cores} per "
+               f"local rank can load in parallel ({share}; storage: {machine.storage}{spare})"
                if rec_workers > workers else
-               f"more workers than the {n_cores} per local rank{spare} only fight for CPU")
+               f"more workers than the {n_cores} per local rank ({share}{spare}) only fight "
+               "for CPU")
         rec.append(Recommendation("num_workers", str(rec_workers), str(workers), why))
     eff_workers = max(workers, rec_workers)
     busy = s.worker_cpu_share
@@ -161,100 +236,38 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1) -> Diagno
         why = "fewer batches in flight keep /dev/shm and host memory within bounds"
     elif starved and eff_workers and busy is not None and busy < 0.7 and workers:
         want_prefetch = max(4, prefetch)
-        why = (f"workers use only {_pct(busy)} of a core each yet the loop waits: samples "
+        why = (f"workers use only {pct(busy)} of a core each yet the loop waits: samples "
                "wait on I/O or cost unevenly, and a deeper queue hides that")
     else:
         why = "the default queue of two batches per worker is enough here"
     if eff_workers:
         rec.append(Recommendation("prefetch_factor", str(want_prefetch), str(prefetch), why))
-    if eff_workers and persistent is not True:
-        rec.append(Recommendation("persistent_workers", "True", str(persistent), (
+    if eff_workers and cfg.persistent is not True:
+        rec.append(Recommendation("persistent_workers", "True", str(cfg.persistent), (
             "workers are started again at every epoch otherwise, which stalls its first batch")))
-    if cuda and pin is not True:
-        rec.append(Recommendation("pin_memory", "True", str(pin), (
+    if cuda and cfg.pin is not True:
+        rec.append(Recommendation("pin_memory", "True", str(cfg.pin), (
             "copies from pinned memory are faster and can overlap compute")))
     if cuda:
         rec.append(Recommendation("non_blocking", "True", "", (
             "with pinned memory, to_device(..., non_blocking=True) lets the copy overlap the "
             "previous step")))
+    shm_total = s.shm_size if s.shm_size is not None else machine.shm_size
     needed = shm_in_flight(s.batch_bytes or 0, want_prefetch, eff_workers, local_ranks)
     if eff_workers and needed and (shm_total is None or needed > shm_total):
         rec.append(Recommendation("--shm-size", shm_size_advice(needed),
-                                  _gib(shm_total) if shm_total else "unknown", (
-            f"workers hand batches over through /dev/shm and about {_gib(needed)} are in "
+                                  gib(shm_total) if shm_total else "unknown", (
+            f"workers hand batches over through /dev/shm and about {gib(needed)} are in "
             "flight; Kubernetes: a memory-backed emptyDir at /dev/shm")))
-    return d
 
 
-def _worker_cores(machine: Machine, local_ranks: int, cuda: bool) -> int:
-    """Cores a rank's workers can use; without a GPU the loop itself needs one of them."""
-    cores = max(1, machine.usable_cores // max(1, local_ranks))
-    return cores if cuda else max(1, cores - 1)
+def pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{points(x)}%"
 
 
-def _recommend_workers(workers: int, starved: bool, machine: Machine, local_ranks: int,
-                       cuda: bool) -> int:
-    cores = _worker_cores(machine, local_ranks, cuda)
-    if machine.storage == "network":
-        cap = STORAGE_WORKERS["network"]  # I/O-bound workers mostly wait: cores matter less
-    else:
-        cap = min(cores, STORAGE_WORKERS.get(machine.storage, cores))
-    if workers > cap and machine.storage != "network":
-        return cap
-    if starved and workers < cap:
-        return cap
-    return workers
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.0%}"
-
-
-def _ms(x: float | None) -> str:
+def ms(x: float | None) -> str:
     return "n/a" if x is None else f"{x * 1000:.1f} ms"
 
 
-def _gib(x: float) -> str:
+def gib(x: float) -> str:
     return f"{x / GiB:.2f} GiB" if x >= GiB / 10 else f"{x / 1024**2:.1f} MiB"
-
-
-@dataclass
-class Report:
-    source: str
-    machine: Machine
-    diagnoses: list[Diagnosis]
-
-    @property
-    def healthy(self) -> bool:
-        return all(d.healthy for d in self.diagnoses)
-
-    def as_dict(self) -> dict[str, object]:
-        return {"source": self.source, "healthy": self.healthy,
-                "machine": self.machine.as_dict(),
-                "loaders": [asdict(d) | {"healthy": d.healthy} for d in self.diagnoses]}
-
-    def text(self) -> str:
-        m = self.machine
-        quota = "none" if m.cpu_quota is None else f"{m.cpu_quota:g} cores"
-        lines = [f"dataloader doctor: {self.source}",
-                 f"machine: {m.physical_cores} physical cores (cgroup CPU quota: {quota}), "
-                 f"{_gib(m.memory_total)} memory ({_gib(m.memory_available)} available), "
-                 f"/dev/shm {_gib(m.shm_size) if m.shm_size else 'unknown'}, "
-                 f"storage under {m.data_path}: {m.storage}", ""]
-        for d in self.diagnoses:
-            f = d.figures
-            lines.append(
-                f"loader {d.loader}, rank {d.rank}: {VERDICTS[d.verdict]} - the loop waited "
-                f"{_pct(f['stall_share'])} of the time for data; "
-                f"{f['batches_per_second'] or 0:.1f} batches/s, "
-                f"{f['samples_per_second'] or 0:.0f} samples/s, fetch p95 "
-                f"{_ms(f['fetch_p95_seconds'])}")
-            lines += [f"  ! {x.message}" for x in d.findings]
-            if d.recommendations:
-                lines.append("  settings:")
-                for r in d.recommendations:
-                    now = f" (now {r.current})" if r.current else ""
-                    lines.append(f"    {r.setting}={r.value}{now}: {r.why}")
-            lines.append("")
-        lines.append("healthy" if self.healthy else "problems found")
-        return "\n".join(lines) + "\n"

@@ -9,8 +9,9 @@ import time
 from collections.abc import Callable
 
 from diagnosis import promsource
-from diagnosis.doctor import Report, diagnose
 from diagnosis.machine import local_machine
+from diagnosis.report import Report
+from diagnosis.report import build_report as report_of
 from diagnosis.signals import Scrape, Window, loaders
 
 EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_UNREADABLE = 0, 1, 2
@@ -34,16 +35,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-path", default=".", help="where the training data lives, to tell "
                                                      "its storage type (default .)")
     p.add_argument("--local-ranks", type=int, default=0,
-                   help="training processes on this machine (default: ranks seen)")
+                   help="training processes per machine (default: the ranks each exporter "
+                        "instance reports)")
     p.add_argument("--format", choices=("text", "json"), default="text")
 
 
 def build_report(window: Window, source: str, data_path: str = ".",
                  local_ranks: int = 0) -> Report:
+    """The report over a window; local_ranks 0: as the window says (per exporter instance
+    from Prometheus; every rank of a scraped exporter shares its machine)."""
     sigs = loaders(window)
-    ranks = local_ranks or max(1, len({s.rank for s in sigs}))
-    machine = local_machine(data_path)
-    return Report(source, machine, [diagnose(s, machine, ranks) for s in sigs])
+    ranks: dict[str, int] | int = local_ranks or window.local_ranks or len(
+        {s.rank for s in sigs})
+    return report_of(source, local_machine(data_path), sigs, ranks)
 
 
 def scrape_window(url: str, interval: float,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from exporter.facts.cores import cpu_quota, physical_cores
+from diagnosis.advisor import Cpu, local_cpu
 from exporter.facts.memory import host_memory
 from exporter.facts.shm import SHM_PATH, shm_space
 from exporter.facts.storage import storage_kind
@@ -19,13 +19,15 @@ class Machine:
     shm_size: int | None
     storage: str  # "nvme", "ssd", "rotational", "network", "unknown"
     data_path: str
+    cpu_affinity: int | None = None  # CPUs in this process's affinity mask
+
+    @property
+    def cpu(self) -> Cpu:
+        return Cpu(self.physical_cores, self.cpu_quota, self.cpu_affinity)
 
     @property
     def usable_cores(self) -> int:
-        cores = self.physical_cores
-        if self.cpu_quota is not None:
-            cores = min(cores, max(1, int(self.cpu_quota)))
-        return max(1, cores)
+        return self.cpu.usable
 
     def as_dict(self) -> dict[str, object]:
         return {**asdict(self), "usable_cores": self.usable_cores}
@@ -35,5 +37,7 @@ def local_machine(data_path: str = ".", shm_path: str = SHM_PATH) -> Machine:
     """Reads this machine's facts; anything unreadable becomes None or 'unknown'."""
     total, available = host_memory()
     shm = shm_space(shm_path)
-    return Machine(physical_cores(), cpu_quota(), total, available,
-                   None if shm is None else shm.size, storage_kind(data_path), data_path)
+    cpu = local_cpu()
+    return Machine(cpu.physical, cpu.quota, total, available,
+                   None if shm is None else shm.size, storage_kind(data_path), data_path,
+                   cpu.affinity)

@@ -1,10 +1,17 @@
-"""A doctor window from Prometheus: increase() over a time range instead of two scrapes."""
+"""A doctor window from Prometheus: increase() over a time range instead of two scrapes.
+
+The window is one job's (several jobs matching is an error: --match picks one); its
+length is the span the loaders' data covers in the range (a run younger than --range is
+not divided by --range), and each rank's local ranks are the ranks its exporter instance
+reports (one machine's, or one pod's), not the world size.
+"""
 
 from __future__ import annotations
 
 import json
 import urllib.parse
 import urllib.request
+from typing import Any
 
 from diagnosis.signals import Labels, Series, Window
 from exporter import catalogue as cat
@@ -18,14 +25,18 @@ _LATEST = [cat.FIRST_BATCH, cat.TIME, cat.WORKERS_CONFIGURED, cat.WORKERS_ACTIVE
            cat.GPU_UTILIZATION]
 
 
-def _query(base: str, expr: str, timeout: float) -> list[tuple[Labels, float]]:
+def _api(base: str, expr: str, timeout: float) -> list[dict[str, Any]]:
     url = f"{base.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
     with urllib.request.urlopen(url, timeout=timeout) as r:
         data = json.loads(r.read().decode())
     if data.get("status") != "success":
         raise ValueError(f"Prometheus rejected {expr!r}: {data.get('error')}")
+    return list(data["data"]["result"])
+
+
+def _query(base: str, expr: str, timeout: float) -> list[tuple[Labels, float]]:
     out = []
-    for item in data["data"]["result"]:
+    for item in _api(base, expr, timeout):
         labels = tuple(sorted(item["metric"].items()))
         out.append((labels, float(item["value"][1])))
     return out
@@ -42,6 +53,7 @@ def window(base: str, range_seconds: float, match: str = "", timeout: float = 10
     """Increases over the last `range_seconds` and latest values, summed by catalogue labels."""
     rng = f"{int(range_seconds)}s"
     sel = match.strip().strip("{}")
+    _one_job(base, sel, timeout)
     increase: Series = {}
     latest: Series = {}
     change: Series = {}
@@ -61,4 +73,49 @@ def window(base: str, range_seconds: float, match: str = "", timeout: float = 10
     for lab, v in _query(base, f"sum(delta({cat.HOST_SWAP_USED.name}{{{sel}}}[{rng}]))",
                          timeout):
         change[(cat.HOST_SWAP_USED.name, lab)] = v
-    return Window(range_seconds, increase, latest, change)
+    seconds = _span(base, sel, rng, timeout)
+    return Window(min(range_seconds, seconds) if seconds else range_seconds, increase, latest,
+                  change, _local_ranks(base, sel, timeout))
+
+
+def _one_job(base: str, sel: str, timeout: float) -> None:
+    """Refuses a selection that spans several jobs: their ranks would be summed together."""
+    found = _query(base, f"count by (namespace, job) ({cat.BATCHES.name}{{{sel}}})", timeout)
+    if len(found) > 1:
+        names = sorted(", ".join(f"{k}={v}" for k, v in labels) for labels, _ in found)
+        raise ValueError(f"{len(found)} jobs match ({'; '.join(names)}): pick one with "
+                         "--match, e.g. --match 'job=\"train\"'")
+
+
+def _span(base: str, sel: str, rng: str, timeout: float) -> float | None:
+    """Seconds the loaders' batch counters cover in the range: from their first sample to
+    their last change, plus one scrape interval (what increase() extrapolates over)."""
+    first = last = None
+    steps: list[float] = []
+    for item in _api(base, f"{cat.BATCHES.name}{{{sel}}}[{rng}]", timeout):
+        points = [(float(t), float(v)) for t, v in item.get("values", [])]
+        if len(points) < 2:
+            continue
+        steps.append((points[-1][0] - points[0][0]) / (len(points) - 1))
+        changed = [t for (t, v), (_, before) in zip(points[1:], points, strict=False)
+                   if v != before]
+        first = points[0][0] if first is None else min(first, points[0][0])
+        end = changed[-1] if changed else points[0][0]
+        last = end if last is None else max(last, end)
+    if first is None or last is None or not steps:
+        return None
+    return last - first + sum(steps) / len(steps)
+
+
+def _local_ranks(base: str, sel: str, timeout: float) -> dict[str, int]:
+    """rank -> how many ranks its exporter instance (machine or pod) reports."""
+    instance_of: dict[str, set[str]] = {}
+    for labels, _ in _query(base, f"count by (instance, rank) ({cat.BATCHES.name}{{{sel}}})",
+                            timeout):
+        d = dict(labels)
+        instance_of.setdefault(d.get("instance", ""), set()).add(d.get("rank", ""))
+    out: dict[str, int] = {}
+    for ranks in instance_of.values():
+        for rank in ranks:
+            out[rank] = max(out.get(rank, 0), len(ranks))
+    return out

@@ -52,6 +52,8 @@ class Window:
     increase: Series
     latest: Series
     change: Series = field(default_factory=dict)  # gauges: latest minus first value
+    # rank -> ranks on its machine (one exporter instance); None: the ranks in the window
+    local_ranks: dict[str, int] | None = None
 
     @classmethod
     def between(cls, first: Scrape, second: Scrape) -> Window:

@@ -40,7 +40,7 @@ LOADER_LABELS: tuple[str, ...] = ("loader", "rank")
 WORKER_LABELS: tuple[str, ...] = ("loader", "rank", "worker")
 INFO_LABELS: tuple[str, ...] = (
     "loader", "rank", "num_workers", "batch_size", "prefetch_factor", "pin_memory",
-    "persistent_workers",
+    "persistent_workers", "gpu_uuid",
 )
 PHASE_FETCH = "fetch"
 PHASE_TRANSFER = "transfer"
@@ -138,7 +138,8 @@ TRANSFER_BYTES = _m(
     "bytes", LOADER_LABELS, TRAINER)
 INFO = _m(
     "dataloader_info", GAUGE,
-    "The loader's effective configuration; the value is always 1.",
+    "The loader's effective configuration and the UUID of the GPU its batches go to (empty "
+    "until one goes to CUDA); the value is always 1.",
     "", INFO_LABELS, TRAINER)
 
 # --- gpu: NVML through nvidia-ml-py ------------------------------------------------------

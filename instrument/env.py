@@ -18,6 +18,18 @@ def current_rank() -> str:
     return rank if rank.isdigit() else "0"
 
 
+def local_world_size() -> int:
+    """Ranks on this machine: torchrun's $LOCAL_WORLD_SIZE, else 1."""
+    size = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(size) if size.isdigit() and int(size) > 0 else 1
+
+
+def local_rank() -> int | None:
+    """This process's rank on its machine ($LOCAL_RANK under torchrun), None elsewhere."""
+    rank = os.environ.get("LOCAL_RANK", "").strip()
+    return int(rank) if rank.isdigit() else None
+
+
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -26,6 +26,7 @@ from exporter.http import ServerHandle
 from exporter.http import serve as http_serve
 from exporter.sources import attach, system_sources
 
+from .env import local_rank
 from .recorder import LoaderCollector, LoaderRecorder
 
 log = logging.getLogger("instrument")
@@ -85,11 +86,15 @@ class Hub:
               shm_path: str = SHM_PATH, web_config_file: str | None = None) -> ServerHandle:
         """Serves the registry on addr:port, once per address (port 0: a new free port).
 
+        Under torchrun (LOCAL_RANK set) a port other than 0 is a base: local rank r serves
+        on port + r, so every rank on a machine is served (see rank_port).
+
         system_metrics attaches the GPU (NVML), /dev/shm and host collectors to the
         registry, once. web_config_file turns on TLS and basic auth as the sidecar's
         --web.config.file does. Raises OSError when the port is taken by anything else,
         exporter.webconfig.WebConfigError (a ValueError) when the web config is bad.
         """
+        port = rank_port(port)
         with self._lock:
             handle = self._servers.get((addr, port)) if port else None
             if handle is not None and not handle.closed and (
@@ -118,6 +123,23 @@ class Hub:
             handle.shutdown()
         for writer in writers:
             writer.close()
+
+
+_said_ports: set[int] = set()
+
+
+def rank_port(port: int) -> int:
+    """port + $LOCAL_RANK under torchrun (logged once per port), else port; 0 stays 0."""
+    local = local_rank()
+    if not port or local is None:
+        return port
+    if port + local > 65535:
+        raise OSError(f"port {port} + LOCAL_RANK {local} is past 65535")
+    if port not in _said_ports:
+        _said_ports.add(port)
+        log.info("dataloader-exporter: local rank %d serves its metrics on port %d "
+                 "(port %d + LOCAL_RANK)", local, port + local, port)
+    return port + local
 
 
 _default: Hub | None = None

@@ -24,6 +24,7 @@ from exporter.config import ENV_DIR
 from . import compat
 from .batch import batch_len, batch_nbytes, move
 from .env import current_rank
+from .gpu import gpu_uuid
 from .hub import Hub, hub_for
 from .preflight import LoaderConfig, Preflight
 from .recorder import LoaderRecorder
@@ -70,7 +71,8 @@ class _Instruments:
         self.epochs += 1
         self.config = LoaderConfig.of(loader)
         rec = self.rec
-        rec.config = {"loader": self.name, "rank": rec.rank, **self.config.labels()}
+        rec.config = {"loader": self.name, "rank": rec.rank, **self.config.labels(),
+                      "gpu_uuid": rec.gpu_uuid}
         rec.epochs += 1
         try:
             self.preflight.on_iter(self.config, self.epochs)
@@ -118,12 +120,21 @@ class _Instruments:
         self.rec.workers.refresh(0.0, on_error=True)
         self.hub.flush_now()
 
+    def note_gpu(self, uuid: str) -> None:
+        """Labels dataloader_info with the GPU this loader's batches go to."""
+        rec = self.rec
+        rec.gpu_uuid = uuid
+        if rec.config:
+            rec.config = {**rec.config, "gpu_uuid": uuid}
+
     def to_device(self, batch: Any, device: Any, non_blocking: bool) -> Any:
         rec = self.rec
         dev = torch.device(device)
         if dev.type == "cuda":
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
+            if not rec.gpu_uuid:  # once: which GPU this rank feeds, for dataloader_info
+                self.note_gpu(gpu_uuid(dev))
             self.preflight.on_cuda_transfer(self.config)
             stream = torch.cuda.current_stream(dev)
             start = torch.cuda.Event(enable_timing=True)

@@ -12,14 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from diagnosis import advisor
 from diagnosis.doctor import SHM_SAFETY, shm_in_flight, shm_size_advice
-from exporter.facts.cores import physical_cores
 from exporter.facts.shm import SHM_PATH, ShmSpace, shm_space
 
-from .env import human_bytes
+from .env import human_bytes, local_world_size
 
 log = logging.getLogger("instrument")
-
 
 
 @dataclass(frozen=True)
@@ -58,16 +57,31 @@ def shm_needed(batch_bytes: int, cfg: LoaderConfig, local_ranks: int = 1) -> int
                              local_ranks))
 
 
+def _cuda_available() -> bool:
+    """Whether this process can see a GPU (the loop then needs no core of its own)."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
 class Preflight:
     """Logs a loader's configuration once and each piece of advice at most once."""
 
     def __init__(self, name: str, shm_path: str = SHM_PATH,
                  shm_probe: Callable[[str], ShmSpace | None] = shm_space,
-                 cores: Callable[[], int] = physical_cores) -> None:
+                 cpu: Callable[[], advisor.Cpu] = advisor.local_cpu,
+                 local_ranks: Callable[[], int] = local_world_size,
+                 cuda: Callable[[], bool] = _cuda_available) -> None:
         self.name = name
         self.shm_path = shm_path
         self._shm_probe = shm_probe
-        self._cores = functools.cache(cores)  # psutil reads /sys: once per loader is enough
+        # psutil and cgroup files are read once per loader: cores do not change mid-run.
+        self._cpu = functools.cache(cpu)
+        self._local_ranks = functools.cache(local_ranks)
+        self._cuda = functools.cache(cuda)
         self._said: set[str] = set()
 
     def _warn(self, key: str, msg: str, *args: object) -> None:
@@ -81,22 +95,28 @@ class Preflight:
             self._said.add("config")
             shm = self._shm_probe(self.shm_path)
             log.info("dataloader %r: num_workers=%s prefetch_factor=%s pin_memory=%s "
-                     "persistent_workers=%s batch_size=%s; physical cores=%d, %s size=%s",
-                     self.name, cfg.num_workers, cfg.prefetch_factor, cfg.pin_memory,
-                     cfg.persistent_workers, cfg.batch_size, self._cores(), self.shm_path,
+                     "persistent_workers=%s batch_size=%s; %s, local ranks=%d, %s "
+                     "size=%s", self.name, cfg.num_workers, cfg.prefetch_factor,
+                     cfg.pin_memory, cfg.persistent_workers, cfg.batch_size,
+                     self._cpu().describe(), self._local_ranks(), self.shm_path,
                      human_bytes(shm.size) if shm else "unknown")
         if "no-workers" in self._said and "too-many-workers" in self._said and (
                 "not-persistent" in self._said):
             return
+        cpu, ranks = self._cpu(), self._local_ranks()
         if cfg.num_workers == 0 and "no-workers" not in self._said:
             self._warn("no-workers", "num_workers=0 loads every batch in the training "
-                       "process, so the GPU waits while it does; try num_workers=%d",
-                       min(self._cores(), 8))
+                       "process, so the GPU waits while it does; try num_workers=%d (%s "
+                       "shared by %d local rank%s)",
+                       advisor.worker_cap(cpu, ranks, self._cuda()), cpu.describe(), ranks,
+                       "" if ranks == 1 else "s")
         elif (cfg.num_workers and "too-many-workers" not in self._said and
-              cfg.num_workers > self._cores()):
-            self._warn("too-many-workers", "num_workers=%d exceeds the %d physical cores; "
-                       "workers will fight for CPU with each other and the training loop",
-                       cfg.num_workers, self._cores())
+              advisor.too_many_workers(cfg.num_workers, cpu, ranks)):
+            self._warn("too-many-workers", "num_workers=%d x %d local rank%s exceeds the %s "
+                       "this process may use; workers will fight for CPU with each other "
+                       "and the training loop: try num_workers=%d",
+                       cfg.num_workers, ranks, "" if ranks == 1 else "s", cpu.describe(),
+                       advisor.worker_cap(cpu, ranks, self._cuda()))
         if epoch >= 2 and cfg.num_workers and cfg.persistent_workers is False:
             self._warn("not-persistent", "persistent_workers=False restarts %d workers at "
                        "every epoch, stalling its first batch; set persistent_workers=True",
@@ -112,14 +132,16 @@ class Preflight:
         if not cfg.num_workers or batch_bytes <= 0 or "shm" in self._said:
             return
         shm = self._shm_probe(self.shm_path)
-        need = shm_needed(batch_bytes, cfg)
+        ranks = self._local_ranks()  # every local rank's workers share the machine's shm
+        need = shm_needed(batch_bytes, cfg, ranks)
         if shm is None or need <= shm.free:
             return
-        self._warn("shm", "batches of %s x prefetch_factor %d x %d workers x %.1f = %s of "
+        self._warn("shm", "batches of %s x prefetch_factor %d x %d workers x %d local "
+                   "ranks x %.1f = %s of "
                    "shared memory, but %s has only %s free (of %s): workers will die with "
                    "a bus error or 'Killed'. Give the container more shared memory "
                    "(docker run --shm-size=%s; Kubernetes: a memory-backed emptyDir at "
                    "/dev/shm) or lower num_workers, prefetch_factor or the batch size",
                    human_bytes(batch_bytes), cfg.prefetch_factor or 2, cfg.num_workers,
-                   SHM_SAFETY, human_bytes(need), shm.path, human_bytes(shm.free),
+                   ranks, SHM_SAFETY, human_bytes(need), shm.path, human_bytes(shm.free),
                    human_bytes(shm.size), shm_size_advice(need))

@@ -84,6 +84,7 @@ class LoaderRecorder:
         # CUDA transfers: (start_event, end_event) pairs read once complete.
         self.pending_events: deque[tuple[Any, Any]] = deque()
         self.config: dict[str, str] = {}
+        self.gpu_uuid = ""  # the GPU batches go to (dataloader_info), "" until known
         self.workers = WorkerTracker()
         # Reader side.
         self.lock = threading.Lock()

@@ -25,7 +25,8 @@ from diagnosis.signals import LoaderSignals, quantile
 from exporter.facts.storage import storage_kind
 
 INTERVAL = 1.5
-TOP_KEYS = {"healthy", "machine", "loaders", "source"}
+TOP_KEYS = {"healthy", "machine", "jobs", "loaders", "source"}
+JOB_KEYS = {"loader", "ranks", "input_stall_share", "stragglers"}
 LOADER_KEYS = {"loader", "rank", "verdict", "figures", "findings", "recommendations", "healthy"}
 
 
@@ -42,6 +43,8 @@ def doctor(url: str, train: Callable[[], None], *extra: str) -> tuple[int, dict[
     assert set(report) == TOP_KEYS
     for loader in report["loaders"]:
         assert set(loader) == LOADER_KEYS
+    for job in report["jobs"]:
+        assert set(job) >= JOB_KEYS
     return proc.returncode, report
 
 

@@ -119,7 +119,7 @@ def test_info_metric_carries_the_effective_configuration(registry: CollectorRegi
     for _ in loader:
         pass
     info = {"num_workers": "2", "batch_size": "2", "prefetch_factor": "2",
-            "pin_memory": "false", "persistent_workers": "true"}
+            "pin_memory": "false", "persistent_workers": "true", "gpu_uuid": ""}
     assert value(registry, cat.INFO.name, **L, **info) == 1
     assert value(registry, cat.WORKERS_CONFIGURED.name, **L) == 2
 
@@ -204,3 +204,38 @@ def test_rank_label_comes_from_the_rank_environment_variable(
     for _ in loader:
         pass
     assert value(registry, cat.BATCHES.name, loader="t", rank="3") == 2
+
+
+class FakeProperties:
+    """What torch.cuda.get_device_properties(dev) returns, for its uuid only."""
+
+    def __init__(self, uuid: object) -> None:
+        self.uuid = uuid
+
+
+def test_the_gpu_a_rank_feeds_is_named_by_its_nvml_uuid() -> None:
+    from instrument.gpu import gpu_uuid
+
+    dev = torch.device("cuda", 0)
+    uuid = "6e1a4c2d-3b1f-9a0e-55c1-0d2b7f8e9a10"
+    assert gpu_uuid(dev, lambda d: FakeProperties(uuid)) == f"GPU-{uuid}"
+    assert gpu_uuid(dev, lambda d: FakeProperties(f"MIG-{uuid}")) == f"MIG-{uuid}"
+    assert gpu_uuid(dev, lambda d: FakeProperties("")) == ""
+    assert gpu_uuid(dev) == ""  # no GPU here: torch raises, and the UUID stays unknown
+
+
+def test_dataloader_info_carries_the_gpu_uuid_once_batches_go_to_cuda(
+        registry: CollectorRegistry) -> None:
+    loader = instrument.DataLoader(SleepDataset(4), batch_size=2, name="t", registry=registry)
+    for _ in loader:
+        pass
+    assert value(registry, cat.INFO.name, **L, num_workers="0", batch_size="2",
+                 prefetch_factor="", pin_memory="false", persistent_workers="false",
+                 gpu_uuid="") == 1
+    # No GPU here: to_device's CUDA branch calls exactly this with the device's UUID.
+    loader._dle.note_gpu("GPU-6e1a4c2d")
+    for _ in loader:
+        pass
+    assert value(registry, cat.INFO.name, **L, num_workers="0", batch_size="2",
+                 prefetch_factor="", pin_memory="false", persistent_workers="false",
+                 gpu_uuid="GPU-6e1a4c2d") == 1

@@ -9,7 +9,8 @@ from helpers import SleepDataset
 from prometheus_client import CollectorRegistry
 
 import instrument
-from exporter.facts.cores import physical_cores
+from diagnosis import advisor
+from diagnosis.advisor import Cpu
 from exporter.facts.shm import ShmSpace
 from instrument.preflight import LoaderConfig, Preflight, shm_needed, shm_size_advice
 
@@ -33,7 +34,8 @@ def test_first_iteration_logs_the_effective_configuration_once(
     lines = [r.getMessage() for r in caplog.records if "num_workers=0 prefetch_factor" in
              r.getMessage()]
     assert len(lines) == 1
-    assert f"physical cores={physical_cores()}" in lines[0] and "/dev/shm size=" in lines[0]
+    cpu = advisor.local_cpu()
+    assert f"; {cpu.describe()}, local ranks=1," in lines[0] and "/dev/shm size=" in lines[0]
 
 
 def test_num_workers_zero_warns_once(registry: CollectorRegistry,
@@ -45,13 +47,59 @@ def test_num_workers_zero_warns_once(registry: CollectorRegistry,
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-def test_more_workers_than_physical_cores_warns(registry: CollectorRegistry,
-                                                caplog: pytest.LogCaptureFixture) -> None:
-    n = physical_cores() + 1
+def test_more_workers_than_usable_cores_warns(registry: CollectorRegistry,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    cpu = advisor.local_cpu()
+    n = cpu.usable + 1
     run(instrument.DataLoader(SleepDataset(n), batch_size=1, num_workers=n, name="t",
                               registry=registry))
-    assert any(f"num_workers={n} exceeds the {physical_cores()} physical cores" in w
+    assert any(f"num_workers={n} x 1 local rank exceeds the {cpu.describe()}" in w
                for w in warnings_of(caplog))
+
+
+def advice_of(caplog: pytest.LogCaptureFixture, workers: int, cpu: Cpu, ranks: int) -> str:
+    """The setup warning a loader with `workers` gets on `cpu` with `ranks` local ranks."""
+    pre = Preflight("t", cpu=lambda: cpu, local_ranks=lambda: ranks, cuda=lambda: False)
+    pre.on_iter(LoaderConfig(workers, 8, 2 if workers else None, False, True), 1)
+    [warning] = warnings_of(caplog)
+    return warning
+
+
+# A 2-CPU container on a 16-core host, and 4 CPUs pinned by affinity on a 64-core host.
+QUOTA = Cpu(physical=16, quota=2.0, affinity=32)
+PINNED = Cpu(physical=64, quota=None, affinity=4)
+
+
+@pytest.mark.parametrize(("cpu", "ranks", "advice"), [
+    (QUOTA, 1, 1), (QUOTA, 2, 1), (QUOTA, 8, 1),
+    (PINNED, 1, 3), (PINNED, 2, 1), (PINNED, 8, 1),
+    (Cpu(physical=64, quota=48.0, affinity=128), 1, 47),
+    (Cpu(physical=64, quota=48.0, affinity=128), 2, 23),
+    (Cpu(physical=64, quota=48.0, affinity=128), 8, 5),
+])
+def test_setup_advice_divides_the_usable_cores_among_the_local_ranks(
+        caplog: pytest.LogCaptureFixture, cpu: Cpu, ranks: int, advice: int) -> None:
+    assert f"try num_workers={advice} " in advice_of(caplog, 0, cpu, ranks)
+    # The doctor's advisor says the same for a starved loader on that machine.
+    assert advisor.advised_workers(0, True, cpu, ranks, cuda=False) == advice
+
+
+@pytest.mark.parametrize(("workers", "ranks", "warns"), [(2, 1, False), (1, 2, False),
+                                                         (2, 2, True), (1, 8, True)])
+def test_too_many_workers_counts_every_local_rank_against_the_quota(
+        caplog: pytest.LogCaptureFixture, workers: int, ranks: int, warns: bool) -> None:
+    pre = Preflight("t", cpu=lambda: QUOTA, local_ranks=lambda: ranks, cuda=lambda: False)
+    pre.on_iter(LoaderConfig(workers, 8, 2, False, True), 1)
+    found = [w for w in warnings_of(caplog) if "exceeds the 2 cores (cgroup quota 2, 16 "
+             "physical)" in w]
+    assert bool(found) == warns
+    if warns:
+        assert f"num_workers={workers} x {ranks} local rank" in found[0]
+
+
+def test_with_a_gpu_the_loop_keeps_no_core_of_its_own() -> None:
+    assert advisor.advised_workers(0, True, PINNED, 1, cuda=True) == 4
+    assert advisor.advised_workers(0, True, PINNED, 1, cuda=False) == 3
 
 
 def test_non_persistent_workers_warn_from_the_second_epoch(
@@ -96,7 +144,7 @@ def test_batches_that_would_overflow_shm_warn_with_the_numbers_and_the_fix(
     batch = 4 * 256 * 1024 * 4 + 4 * 8
     need = shm_needed(batch, LoaderConfig(2, 4, 2, False, True))
     assert need == int(batch * 2 * 2 * 1.5)
-    assert "4.0 MiB x prefetch_factor 2 x 2 workers x 1.5 = 24.0 MiB" in shm[0]
+    assert "4.0 MiB x prefetch_factor 2 x 2 workers x 1 local ranks x 1.5 = 24.0 MiB" in shm[0]
     assert "has only 16.0 MiB free (of 64.0 MiB)" in shm[0]
     assert "--shm-size=1g" in shm[0]
 

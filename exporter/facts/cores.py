@@ -1,4 +1,4 @@
-"""CPU cores: physical cores, and the cores a cgroup CPU quota allows."""
+"""CPU cores: physical cores, the cores a cgroup CPU quota allows, and the affinity mask."""
 
 from __future__ import annotations
 
@@ -26,4 +26,13 @@ def cpu_quota(cgroup_root: str = "/sys/fs/cgroup") -> float | None:
         p = int((root / "cpu" / "cpu.cfs_period_us").read_text())
         return None if q <= 0 or p <= 0 else q / p
     except (OSError, ValueError):
+        return None
+
+
+def cpu_affinity() -> int | None:
+    """CPUs this process may run on (taskset, cpuset, Kubernetes' static CPU manager);
+    None where the platform cannot tell."""
+    try:
+        return len(os.sched_getaffinity(0)) or None
+    except (AttributeError, OSError):
         return None

@@ -1,0 +1,95 @@
+"""The doctor's report: the machine, each loader's job across ranks, and each rank's
+diagnosis, as text for people and as JSON for tools."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from diagnosis.doctor import VERDICTS, Diagnosis, diagnose, gib, ms, pct, verdict
+from diagnosis.jobs import Job, jobs
+from diagnosis.machine import Machine
+from diagnosis.signals import LoaderSignals
+
+
+@dataclass
+class Report:
+    source: str
+    machine: Machine
+    diagnoses: list[Diagnosis]
+    jobs: list[Job] = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return all(d.healthy for d in self.diagnoses)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"source": self.source, "healthy": self.healthy,
+                "machine": self.machine.as_dict(),
+                "jobs": [j.as_dict() | {"verdict": verdict(j.input_stall_share, 1)}
+                         for j in self.jobs],
+                "loaders": [asdict(d) | {"healthy": d.healthy} for d in self.diagnoses]}
+
+    def text(self) -> str:
+        m = self.machine
+        lines = [f"dataloader doctor: {self.source}",
+                 f"machine: {m.cpu.describe()}, "
+                 f"{gib(m.memory_total)} memory ({gib(m.memory_available)} available), "
+                 f"/dev/shm {gib(m.shm_size) if m.shm_size else 'unknown'}, "
+                 f"storage under {m.data_path}: {m.storage}", ""]
+        by_loader = {j.loader: j for j in self.jobs}
+        shown: set[str] = set()
+        for d in self.diagnoses:
+            j = by_loader.get(d.loader)
+            if j is not None and len(j.ranks) > 1 and d.loader not in shown:
+                shown.add(d.loader)
+                lines += _job_lines(j)
+            lines += _rank_lines(d, multi=j is not None and len(j.ranks) > 1)
+        lines.append("healthy" if self.healthy else "problems found")
+        return "\n".join(lines) + "\n"
+
+
+def _job_lines(j: Job) -> list[str]:
+    v = verdict(j.input_stall_share, 1)
+    strag = (f"input straggler{'s' if len(j.stragglers) > 1 else ''}: rank "
+             f"{', '.join(j.straggler_ranks)}" if j.stragglers else "no input straggler")
+    return [f"loader {j.loader}, the job ({len(j.ranks)} ranks): {VERDICTS[v]} - every rank "
+            f"waits for the slowest input {pct(j.input_stall_share)} of the time (its fetch "
+            f"wait {ms(j.worst_fetch_per_batch)} a batch over a batch period of "
+            f"{ms(j.batch_period)}); {strag}", ""]
+
+
+def _rank_lines(d: Diagnosis, multi: bool) -> list[str]:
+    f = d.figures
+    lines = [f"loader {d.loader}, rank {d.rank}: {VERDICTS[d.verdict]} - the loop waited "
+             f"{pct(f['stall_share'])} of the time for data; "
+             f"{f['batches_per_second'] or 0:.1f} batches/s, "
+             f"{f['samples_per_second'] or 0:.0f} samples/s, fetch p95 "
+             f"{ms(f['fetch_p95_seconds'])}"]
+    step, wait = f["step_per_batch_seconds"], f["waiting_for_other_ranks_seconds_per_batch"]
+    if multi and step is not None and wait is not None:
+        lines.append(f"  step {ms(step)} a batch, of which about {ms(wait)} waiting for "
+                     "other ranks (estimated: its step minus the fastest rank's)")
+    lines += [f"  ! {x.message}" for x in d.findings]
+    if d.recommendations:
+        lines.append("  settings:")
+        for r in d.recommendations:
+            now = f" (now {r.current})" if r.current else ""
+            lines.append(f"    {r.setting}={r.value}{now}: {r.why}")
+    return [*lines, ""]
+
+
+def build_report(source: str, machine: Machine, signals: list[LoaderSignals],
+                 local_ranks: dict[str, int] | int) -> Report:
+    """Diagnoses every (loader, rank) with its job's view; local_ranks is one count for
+    every rank, or each rank's count of ranks that share its machine."""
+    views = jobs(signals)
+    by_loader = {j.loader: j for j in views}
+
+    def local(rank: str) -> int:
+        if isinstance(local_ranks, int):
+            return max(1, local_ranks)
+        return max(1, local_ranks.get(rank, 1))
+
+    return Report(source, machine,
+                  [diagnose(s, machine, local(s.rank), by_loader.get(s.loader))
+                   for s in signals], views)
