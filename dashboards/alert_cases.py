@@ -82,7 +82,34 @@ def dcgm_gpu(percent: int) -> tuple[tuple[str, str], ...]:
     return ((selector(dcgm.GPU_UTIL, gpu="0", job="dcgm-exporter", namespace=POD["namespace"],
                       pod=POD["pod"]), f"{percent}x30"),)
 
+def ranks(fetch: list[float], step: list[float]) -> tuple[tuple[str, str], ...]:
+    """Ranks of one job (480 batches a minute each) waiting fetch[r] and stepping step[r]
+    seconds a minute; in step, so fetch + step is the same for every rank."""
+    out: tuple[tuple[str, str], ...] = ()
+    for r, (f, st) in enumerate(zip(fetch, step, strict=True)):
+        lr = {**JOB_RANK, "instance": f"llm-{r}:9478", "rank": str(r)}
+        out += (s(cat.TIME, f"0+{f}x30", "_sum", **lr, phase=cat.PHASE_FETCH),
+                s(cat.STEP, f"0+{st}x30", "_sum", **lr), s(cat.BATCHES, "0+480x30", **lr))
+    return out
+
+
+JOB_RANK = {"job": "llm", "namespace": "team-a", "loader": "train"}
+# The issue's two ranks: rank 1 waits 21.7 ms a batch for input, rank 0 2.5 ms and the rest
+# of the 42.5 ms batch in its all-reduce (seconds a minute at 480 batches a minute).
+TWO = ranks([1.2, 10.4], [19.2, 10.0])
+EIGHT_ONE_SLOW = ranks([1.0] * 5 + [30.0] + [1.0] * 2, [59.0] * 5 + [30.0] + [59.0] * 2)
+EIGHT_EVEN = ranks([1.0, 1.2, 0.8, 1.1, 0.9, 1.0, 1.3, 0.7], [59.0] * 8)
+EIGHT_ALL_STARVED = ranks([30.0, 31.0, 29.0, 30.0, 30.5, 29.5, 30.0, 30.0], [30.0] * 8)
+
 CASES: tuple[Case, ...] = (
+    Case("DataLoaderInputStraggler", "fires on the one slow rank of eight, and only on it",
+         EIGHT_ONE_SLOW, "15m", fires({**JOB_RANK, "rank": "5"})),
+    Case("DataLoaderInputStraggler", "fires on the slow rank of two (the issue's figures)",
+         TWO, "15m", fires({**JOB_RANK, "rank": "1"})),
+    Case("DataLoaderInputStraggler", "stays quiet on eight balanced ranks", EIGHT_EVEN, "15m"),
+    Case("DataLoaderInputStraggler", "stays quiet when every rank starves alike (that is "
+         "DataLoaderInputBound)", EIGHT_ALL_STARVED, "15m"),
+
     Case("DataLoaderInputBound", "fires when the loop waits half the time and the GPU idles",
          stall(30) + IDLE_GPU, "15m", fires(LOADER)),
     Case("DataLoaderInputBound", "fires on stall share alone where there are no GPU metrics",

@@ -12,7 +12,7 @@ from exporter import catalogue as cat
 
 from . import dcgm
 from .model import CRITICAL, EXPORTER_CONTAINER, EXPORTER_JOB, WARNING, Alert
-from .promql import quantile, ratio, sel, stall_share
+from .promql import STRAGGLER, quantile, ratio, sel, stall_share, straggler_excess
 
 WINDOW = "5m"
 # Epoch starts are rare events: average the first batches of the last hour.
@@ -41,6 +41,20 @@ ALERTS: tuple[Alert, ...] = (
         " pin_memory=True and persistent_workers=True, raise prefetch_factor, and make"
         " __getitem__ cheaper (decode or augment less, cache decoded samples, move"
         " augmentation to the GPU).",
+    ),
+    Alert(
+        "DataLoaderInputStraggler",
+        f"{straggler_excess('', WINDOW)} >= {STRAGGLER}",
+        "10m", WARNING,
+        "Input straggler: {{ $labels.loader }} rank {{ $labels.rank }} holds back the other "
+        "ranks of {{ $labels.job }}",
+        "In synchronous data parallel every step waits for the slowest rank. This rank's"
+        " loop waits for its input longer than the median rank's by over 5% of the job's"
+        " batch period (the value), and every other rank spends that time waiting for it"
+        " inside its step. Fix this rank's input, not the others': its host's storage,"
+        " cores (other ranks' workers on the same machine), /dev/shm and num_workers; an"
+        " uneven shard of the data (DistributedSampler with uneven sample costs). Run"
+        " `dataloader-exporter doctor --prometheus` for the figures.",
     ),
     Alert(
         "DataLoaderEpochStartStall",

@@ -28,6 +28,17 @@ glance = Row("Which jobs starve?", (
           "slowest). Good: under 5%. Over 20% the job is input-bound: open the DataLoader "
           "overview for that job to see which rank and why." + WINDOW_NOTE,
           RATIO, ((BY_JOB, rec(r.INPUT_STALL)),), BARGAUGE, STALL_BANDS, 0, 1),
+    Panel("Input stragglers",
+          "The ten ranks, over the selected jobs, whose input holds their job back most: "
+          "each one's fetch wait per batch above its job's median rank's, as a share of the "
+          "batch period (that much of every other rank's time goes to waiting for it). "
+          "Reads the same with 2 or 64 ranks a job. Good: every bar under 5%; from 5% "
+          "(red) the rank is an input straggler and DataLoaderInputStraggler fires after "
+          "10 minutes. Fix that rank's input (its host's storage, cores, /dev/shm), not "
+          "the others'." + WINDOW_NOTE,
+          RATIO, (("{{namespace}} {{job}} {{loader}} rank {{rank}}",
+                   f"topk(10, {rec(r.STRAGGLER)})"),), BARGAUGE,
+          ((None, "green"), (0.05, "red")), 0, 1),
     Panel("GPU utilization by job",
           "Mean utilization of each job's GPUs now: dcgm-exporter's, joined on the pods "
           "(Kubernetes), or the sidecar's NVML collector's. Good: over 80% while training. "

@@ -30,15 +30,22 @@ from .promql import (
     HOST,
     LOADER,
     RATE_INTERVAL,
+    STRAGGLER,
+    job_stall_share,
     mean,
     quantile,
+    rank_fetch_per_batch,
+    rank_step_per_batch,
     rate,
     ratio,
     sel,
     stall_share,
+    straggler_excess,
+    wait_for_ranks,
 )
 
 W = RATE_INTERVAL
+
 # TensorFlow profiler's bands: under 5% fine, 5-20% worth a look, over 20% input-bound.
 STALL_BANDS: tuple[Step, ...] = ((None, "green"), (0.05, "yellow"), (0.2, "red"))
 GPU_BANDS: tuple[Step, ...] = ((None, "red"), (0.6, "yellow"), (0.8, "green"))
@@ -50,13 +57,29 @@ STALL_FIX = (
     "and persistent_workers=True, raise prefetch_factor, and make __getitem__ cheaper "
     "(decode or augment less, cache, move work to the GPU).")
 
+
+def gpu_of_rank(matchers: str) -> str:
+    """Each (loader, rank)'s GPU utilization, 0-1, joined on the GPU's UUID: the
+    exporter's NVML series, or dcgm-exporter's (its UUID label renamed)."""
+    known = sel(cat.INFO, matchers + ',gpu_uuid!=""')
+    info = f"max by (loader, rank, gpu_uuid) ({known})"
+    nvml = f"max by (gpu_uuid) ({sel(cat.GPU_UTILIZATION)})"
+    dcgm_ = (f'max by (gpu_uuid) (label_replace({dcgm.GPU_UTIL}, "gpu_uuid", "$1", "UUID", '
+             f'"(.+)")) / 100')
+    return f"{info} * on (gpu_uuid) group_left () ({nvml} or {dcgm_})"
+
+
 headline = Row("Is the GPU starving?", (
-    Panel("Input stall share, overall",
-          "Share of the training loop's time spent waiting for the next batch, over all "
-          "selected loaders and ranks: fetch wait / (fetch wait + step time). Good: under "
-          "5%. 5-20% is worth a look; over 20% the job is input-bound and the GPU idles."
-          + STALL_FIX,
-          RATIO, (("stall share", stall_share(LOADER, W, "")),), STAT, STALL_BANDS, 0, 1),
+    Panel("Input stall share of the job",
+          "Share of the job's time every rank spends waiting for input. In synchronous data "
+          "parallel (DDP, FSDP, torchrun) each step waits for the slowest rank, so this is "
+          "the worst rank's fetch wait per batch over the common batch period (fetch wait "
+          "plus step), not the mean over ranks; for a single process it is fetch wait / "
+          "(fetch wait + step time). The highest over the selected jobs and loaders. Good: "
+          "under 5%. 5-20% is worth a look; over 20% the job is input-bound and the GPUs "
+          "idle. Which rank it comes from: Input stragglers." + STALL_FIX,
+          RATIO, (("job stall share", f"max({job_stall_share(LOADER, W)})"),), STAT,
+          STALL_BANDS, 0, 1),
     Panel("Samples per second",
           "Samples handed to the training loop per second, all selected loaders and ranks. "
           "Good: steady at the rate the model can consume. A drop with a rising stall share "
@@ -71,11 +94,15 @@ headline = Row("Is the GPU starving?", (
           RATIO, (("GPU utilization", f"avg({sel(cat.GPU_UTILIZATION, HOST)}) or "
                                       f"avg({dcgm.gpu_utilization(HOST)})"),), GAUGE,
           GPU_BANDS, 0, 1),
-    Panel("Worst rank's input stall share",
-          "The highest input stall share of any selected loader and rank. Good: close to the "
-          "overall share. One rank far above the others is a straggler that holds back every "
-          "rank at each synchronisation: look at that host's storage, CPU and /dev/shm.",
-          RATIO, (("worst rank", f"max({stall_share(LOADER, W)})"),), STAT, STALL_BANDS, 0, 1),
+    Panel("Input stragglers",
+          "Ranks whose fetch wait per batch exceeds the median rank's by 5% of the batch "
+          "period or more (the DataLoaderInputStraggler alert's test): every other rank "
+          "waits for their input at each step. Good: 0. Otherwise see Input stragglers by "
+          "rank for which, and fix that rank's input (its host's storage, cores, /dev/shm, "
+          "num_workers), not the others'.",
+          COUNT, (("stragglers", f"count(({straggler_excess(LOADER, W)}) >= {STRAGGLER}) or "
+                                 f"(0 * count({rank_fetch_per_batch(LOADER, W)}))"),),
+          STAT, ((None, "green"), (1, "red"))),
 ))
 
 stall = Row("Where the time goes", (
@@ -83,6 +110,14 @@ stall = Row("Where the time goes", (
           "Per loader and rank: fetch wait / (fetch wait + step time). Good: under the 5% "
           "line. Above 20% the job is input-bound." + STALL_FIX,
           RATIO, ((BY_RANK, stall_share(LOADER, W)),), thresholds=STALL_BANDS, max=1),
+    Panel("Each rank's GPU beside its input stall share",
+          "The utilization of the GPU each rank feeds (joined on dataloader_info's gpu_uuid, "
+          "which a loader learns at its first to_device onto CUDA), next to the rank's own "
+          "stall share. Good: utilization high where the stall is low. A rank with a high "
+          "stall and an idle GPU starves; an idle GPU on a rank with a low stall waits for "
+          "other ranks.",
+          RATIO, (("GPU of {{loader}} rank {{rank}}", gpu_of_rank(LOADER)),
+                  (f"stall {BY_RANK}", stall_share(LOADER, W))), max=1),
     Panel("GPU utilization and input stall share",
           "Both on one axis so their correlation shows. Good: utilization high, stall low. "
           "When the stall share rises as utilization falls, the GPU is waiting for input: "
@@ -99,16 +134,20 @@ stall = Row("Where the time goes", (
           "p50 means occasional slow samples (cold storage, huge items, GC).",
           SECONDS, tuple((f"p{round(q * 100)} {BY_RANK}", quantile(q, cat.TIME, LOADER, W, **FETCH))
                          for q in (0.5, 0.95, 0.99))),
-    Panel("Worst rank against the mean",
-          "Per loader: the highest input stall share of any rank, and the mean over ranks. "
-          "Good: the two lines together. A worst rank well above the mean is a straggler: "
-          "every other rank waits for it at each all-reduce.",
-          RATIO, (("worst rank {{loader}}", f"max by (loader) ({stall_share(LOADER, W)})"),
-                  ("mean {{loader}}", f"avg by (loader) ({stall_share(LOADER, W)})")), max=1),
-    Panel("Input stall share by rank",
-          "The current stall share of each loader and rank, to spot the straggler at a "
-          "glance. Good: all bars short and even." + STALL_FIX,
-          RATIO, ((BY_RANK, stall_share(LOADER, W)),), BARGAUGE, STALL_BANDS, 0, 1),
+    Panel("Input stragglers by rank",
+          "The ten ranks whose input holds the others back most: each one's fetch wait per "
+          "batch above the median rank's, as a share of the job's batch period (that much "
+          "of every other rank's time goes to waiting for it). Reads the same with 2, 8 or "
+          "64 ranks. Good: every bar under 5% (red from there: an input straggler)." ,
+          RATIO, ((BY_RANK, f"topk(10, {straggler_excess(LOADER, W)})"),), BARGAUGE,
+          ((None, "green"), (STRAGGLER, "red")), 0, 1),
+    Panel("The job's stall against each rank's own",
+          "Per job and loader the job-level stall share (what every rank loses), and each "
+          "rank's own share. Good: all low. A rank's own share far above the others' is an "
+          "input straggler; ranks with a low share of their own still lose the job's share, "
+          "waiting for it inside their step.",
+          RATIO, (("job {{job}} {{loader}}", job_stall_share(LOADER, W)),
+                  (f"own {BY_RANK}", stall_share(LOADER, W))), max=1),
 ))
 
 throughput = Row("Throughput and step", (
@@ -118,15 +157,25 @@ throughput = Row("Throughput and step", (
           "step (evaluation, checkpointing).",
           COUNT, ((BY_RANK, rate(sel(cat.SAMPLES, LOADER), W)),)),
     Panel("Throughput: batches per second",
-          "Batches handed to the loop per second, per loader and rank. Good: flat, and equal "
-          "across ranks of a data-parallel job; a rank slower than the others is a straggler.",
+          "Batches handed to the loop per second, per loader and rank. Good: flat. In "
+          "synchronous data parallel every rank runs at the same rate, straggler or not "
+          "(each step waits for the slowest): look for stragglers in Input stragglers by rank.",
           COUNT, ((BY_RANK, rate(sel(cat.BATCHES, LOADER), W)),)),
     Panel("Step time",
           "Time between batches spent outside the loader (the training step): mean and p95. "
-          "Good: stable. Compare it with the fetch wait: when the step is much longer than "
-          "the fetch wait, the loader is not the bottleneck.",
+          "Good: stable. In data parallel the step includes waiting for other ranks in the "
+          "collective (see Step: waiting for other ranks): only the fastest rank's step is "
+          "close to compute. When even that is much longer than the fetch wait, the loader "
+          "is not the bottleneck.",
           SECONDS, ((f"mean {BY_RANK}", mean(cat.STEP, LOADER, W)),
                     (f"p95 {BY_RANK}", quantile(0.95, cat.STEP, LOADER, W)))),
+    Panel("Step: waiting for other ranks (estimate)",
+          "Per rank and batch, the part of its step spent waiting for slower ranks in the "
+          "collective (all-reduce), estimated as its step minus the fastest rank's: that "
+          "part is not compute, and optimising this rank's model will not shorten it. Good: "
+          "near 0 on every rank. A large wait on all ranks but one points at that one.",
+          SECONDS, ((BY_RANK, wait_for_ranks(LOADER, W)),
+                    (f"step {BY_RANK}", rank_step_per_batch(LOADER, W)))),
     Panel("Time to first batch",
           "Mean time from the start of an epoch (iter) to its first batch, for the epochs "
           "that started in each interval. Good: well under a second. Seconds to minutes is "

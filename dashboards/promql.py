@@ -76,3 +76,58 @@ def mean(metric: cat.Metric, matchers: str, window: str, **labels: str) -> str:
 def ratio(numerator: cat.Metric, denominator: cat.Metric, matchers: str = "") -> str:
     """numerator / denominator, series by series (a zero denominator drops the series)."""
     return f"{sel(numerator, matchers)} / ({sel(denominator, matchers)} > 0)"
+
+
+# --- across ranks -----------------------------------------------------------------------
+# In synchronous data parallel the ranks of a job share one batch period: each step waits
+# at its collective for the slowest rank. These build the job-level figures from raw
+# series, for panels and alerts; dashboards.recording records the same from its rules.
+JOB_KEYS = "namespace, job, loader"
+RANK_KEYS = f"{JOB_KEYS}, rank"
+STRAGGLER = 0.05  # of the batch period; diagnosis.jobs.STRAGGLER, the doctor's threshold
+
+
+def _per_rank(expr: str) -> str:
+    return f"sum by ({RANK_KEYS}) ({expr})"
+
+
+def rank_fetch_per_batch(matchers: str, window: str) -> str:
+    """Each rank's fetch wait per batch, seconds (ranks without batches drop out)."""
+    fetch = _per_rank(rate(sel(cat.TIME, matchers, "_sum", phase=cat.PHASE_FETCH), window))
+    return f"({fetch} / ({_per_rank(rate(sel(cat.BATCHES, matchers), window))} > 0))"
+
+
+def rank_step_per_batch(matchers: str, window: str) -> str:
+    """Each rank's step per batch, seconds: compute, and any wait for other ranks."""
+    step = _per_rank(rate(sel(cat.STEP, matchers, "_sum"), window))
+    return f"({step} / ({_per_rank(rate(sel(cat.BATCHES, matchers), window))} > 0))"
+
+
+def job_batch_period(matchers: str, window: str) -> str:
+    """The job's batch period: the slowest rank's fetch wait plus step per batch."""
+    return (f"max by ({JOB_KEYS}) ({rank_fetch_per_batch(matchers, window)} + "
+            f"{rank_step_per_batch(matchers, window)})")
+
+
+def job_stall_share(matchers: str, window: str) -> str:
+    """The job's input stall share, 0 to 1: the worst rank's fetch wait per batch over
+    the common batch period. A single process: fetch wait / (fetch wait + step)."""
+    worst = f"max by ({JOB_KEYS}) ({rank_fetch_per_batch(matchers, window)})"
+    return f"{worst} / ({job_batch_period(matchers, window)} > 0)"
+
+
+def straggler_excess(matchers: str, window: str) -> str:
+    """Per rank: its fetch wait per batch above the median rank's, as a share of the
+    job's batch period, i.e. how much of every other rank's time goes to waiting for it."""
+    fetch = rank_fetch_per_batch(matchers, window)
+    median = f"quantile by ({JOB_KEYS}) (0.5, {fetch})"
+    by = f"on ({JOB_KEYS}) group_left ()"
+    return f"({fetch} - {by} {median}) / {by} ({job_batch_period(matchers, window)} > 0)"
+
+
+def wait_for_ranks(matchers: str, window: str) -> str:
+    """Per rank, an estimate of the seconds per batch its step spends waiting for other
+    ranks: its step per batch minus the fastest rank's (the straggler's step is the
+    shortest: it arrives last at the collective and waits for nobody)."""
+    step = rank_step_per_batch(matchers, window)
+    return f"{step} - on ({JOB_KEYS}) group_left () min by ({JOB_KEYS}) ({step})"

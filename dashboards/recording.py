@@ -26,13 +26,19 @@ GROUP = "dataloader-recording"
 WINDOW = "5m"
 RANK = "namespace, job, loader, rank"
 JOB = "namespace, job, loader"
+ON_JOB = f"on ({JOB}) group_left ()"  # each rank's series against its job's one
 
 FETCH_RATE = "job_loader_rank:dataloader_fetch_wait_seconds:rate5m"
 STEP_RATE = "job_loader_rank:dataloader_step_seconds:rate5m"
 RANK_BATCHES = "job_loader_rank:dataloader_batches:rate5m"
+RANK_FETCH_PER_BATCH = "job_loader_rank:dataloader_fetch_wait_seconds_per_batch:rate5m"
+RANK_STEP_PER_BATCH = "job_loader_rank:dataloader_step_seconds_per_batch:rate5m"
 FETCH_PER_BATCH = "job_loader:dataloader_fetch_wait_per_batch_seconds:max"
+MEDIAN_FETCH_PER_BATCH = "job_loader:dataloader_fetch_wait_seconds_per_batch:median"
 BATCH_PERIOD = "job_loader:dataloader_batch_period_seconds:max"
 INPUT_STALL = "job_loader:dataloader_input_stall:ratio"
+STRAGGLER = "job_loader_rank:dataloader_input_straggler:ratio"
+WAIT_FOR_RANKS = "job_loader_rank:dataloader_wait_for_ranks_seconds_per_batch:step_minus_fastest"
 SAMPLES = "job_loader:dataloader_samples:rate5m"
 BATCHES = "job_loader:dataloader_batches:rate5m"
 RANKS = "job_loader:dataloader_ranks:count"
@@ -54,15 +60,33 @@ RULES: tuple[Recording, ...] = (
               "Batches per second each rank handed to its loop."),
     # Ranks that handed out no batch in the window have no per-batch figures (0/0 is
     # unknown, not a value): they drop out here rather than record NaN.
-    Recording(FETCH_PER_BATCH, f"max by ({JOB}) ({FETCH_RATE} / ({RANK_BATCHES} > 0))",
+    Recording(RANK_FETCH_PER_BATCH, f"{FETCH_RATE} / ({RANK_BATCHES} > 0)",
+              "Each rank's fetch wait per batch."),
+    Recording(RANK_STEP_PER_BATCH, f"{STEP_RATE} / ({RANK_BATCHES} > 0)",
+              "Each rank's step per batch: compute, and any wait for other ranks."),
+    Recording(FETCH_PER_BATCH, f"max by ({JOB}) ({RANK_FETCH_PER_BATCH})",
               "The worst rank's fetch wait per batch: the rank every other one waits for."),
+    Recording(MEDIAN_FETCH_PER_BATCH, f"quantile by ({JOB}) (0.5, {RANK_FETCH_PER_BATCH})",
+              "The median rank's fetch wait per batch (Prometheus's quantile: the mean of "
+              "the middle two for an even count), what a straggler is measured against."),
     Recording(BATCH_PERIOD,
-              f"max by ({JOB}) (({FETCH_RATE} + {STEP_RATE}) / ({RANK_BATCHES} > 0))",
+              f"max by ({JOB}) ({RANK_FETCH_PER_BATCH} + {RANK_STEP_PER_BATCH})",
               "Wall time per batch (fetch wait plus step), the slowest rank's; in "
               "synchronous data parallel the ranks share it."),
     Recording(INPUT_STALL, f"{FETCH_PER_BATCH} / ({BATCH_PERIOD} > 0)",
               "The job's input stall share: the worst rank's fetch wait per batch over the "
               "common batch period, 0 to 1."),
+    Recording(STRAGGLER,
+              f"({RANK_FETCH_PER_BATCH} - {ON_JOB} {MEDIAN_FETCH_PER_BATCH}) "
+              f"/ {ON_JOB} ({BATCH_PERIOD} > 0)",
+              "Each rank's fetch wait per batch above the median rank's, as a share of the "
+              "batch period: how much of the other ranks' time goes to waiting for its "
+              "input. At 0.05 and above it is an input straggler (DataLoaderInputStraggler)."),
+    Recording(WAIT_FOR_RANKS,
+              f"{RANK_STEP_PER_BATCH} - {ON_JOB} "
+              f"min by ({JOB}) ({RANK_STEP_PER_BATCH})",
+              "An estimate of each rank's step per batch spent waiting for other ranks in "
+              "the collective: its step minus the fastest rank's. Not compute."),
     Recording(SAMPLES, f"sum by ({JOB}) ({_rate(cat.SAMPLES)})",
               "Samples per second the job's ranks hand to their loops, together."),
     Recording(BATCHES, f"sum by ({JOB}) ({RANK_BATCHES})",
@@ -113,6 +137,10 @@ CASES: tuple[RecordCase, ...] = (
         _rank(15, 45, 480, {"rank": "0", **ONE}, samples=15360), "10m",
         (_out(FETCH_RATE, 0.25, rank="0", **ONE), _out(STEP_RATE, 0.75, rank="0", **ONE),
          _out(RANK_BATCHES, 8, rank="0", **ONE), _out(FETCH_PER_BATCH, 0.03125, **ONE),
+         _out(RANK_FETCH_PER_BATCH, 0.03125, rank="0", **ONE),
+         _out(RANK_STEP_PER_BATCH, 0.09375, rank="0", **ONE),
+         _out(MEDIAN_FETCH_PER_BATCH, 0.03125, **ONE), _out(STRAGGLER, 0, rank="0", **ONE),
+         _out(WAIT_FOR_RANKS, 0, rank="0", **ONE),
          _out(BATCH_PERIOD, 0.125, **ONE), _out(INPUT_STALL, 0.25, **ONE),
          _out(SAMPLES, 256, **ONE), _out(BATCHES, 8, **ONE), _out(RANKS, 1, **ONE))),
     RecordCase(
@@ -122,16 +150,34 @@ CASES: tuple[RecordCase, ...] = (
         + _rank(30, 30, 480, {"rank": "1", "pod": "llm-1", **K8S})
         + _rank(0, 60, 480, {"rank": "0", "pod": "eval-0", **EVAL}), "10m",
         (_out(FETCH_PER_BATCH, 0.0625, **K8S), _out(FETCH_PER_BATCH, 0, **EVAL),
+         _out(MEDIAN_FETCH_PER_BATCH, 0.0390625, **K8S),
+         _out(MEDIAN_FETCH_PER_BATCH, 0, **EVAL),
+         _out(STRAGGLER, -0.1875, rank="0", **K8S), _out(STRAGGLER, 0.1875, rank="1", **K8S),
+         _out(STRAGGLER, 0, rank="0", **EVAL),
+         # 0.046875 (7/64 - 1/16), as rate()'s extrapolation leaves it in floating point
+         _out(WAIT_FOR_RANKS, 0.046875000000000014, rank="0", **K8S),
+         _out(WAIT_FOR_RANKS, 0, rank="1", **K8S), _out(WAIT_FOR_RANKS, 0, rank="0", **EVAL),
          _out(BATCH_PERIOD, 0.125, **K8S), _out(BATCH_PERIOD, 0.125, **EVAL),
          _out(INPUT_STALL, 0.5, **K8S), _out(INPUT_STALL, 0, **EVAL),
          _out(BATCHES, 16, **K8S), _out(BATCHES, 8, **EVAL),
          _out(RANKS, 2, **K8S), _out(RANKS, 1, **EVAL))),
     RecordCase(
+        "eight ranks, one slow: rank 5 holds every rank back by half the batch period, and "
+        "the others' step is half waiting for it (estimated against the fastest step)",
+        tuple(x for r in range(8) for x in _rank(
+            32 if r == 5 else 0, 32 if r == 5 else 64, 512,
+            {"rank": str(r), "pod": f"llm-{r}", **K8S})), "10m",
+        (_out(MEDIAN_FETCH_PER_BATCH, 0, **K8S), _out(INPUT_STALL, 0.5, **K8S),
+         *(_out(STRAGGLER, 0.5 if r == 5 else 0, rank=str(r), **K8S) for r in range(8)),
+         *(_out(WAIT_FOR_RANKS, 0 if r == 5 else 0.0625, rank=str(r), **K8S)
+           for r in range(8)))),
+    RecordCase(
         "an idle loader (no batch in the window, an evaluation loader between passes) has "
         "no per-batch figures and no stall share: unknown, never NaN",
         _rank(0, 0, 0, {"rank": "0", "pod": "eval-0", **EVAL}), "10m",
         (_out(BATCHES, 0, **EVAL), _out(RANKS, 1, **EVAL)),
-        absent=(FETCH_PER_BATCH, BATCH_PERIOD, INPUT_STALL)),
+        absent=(RANK_FETCH_PER_BATCH, RANK_STEP_PER_BATCH, FETCH_PER_BATCH,
+                MEDIAN_FETCH_PER_BATCH, BATCH_PERIOD, INPUT_STALL, STRAGGLER, WAIT_FOR_RANKS)),
     RecordCase(
         "lost workers per job and loader",
         (_s(cat.WORKERS_LOST, "0+1x10", instance="llm-0:9478", pod="llm-0", rank="0", **K8S),

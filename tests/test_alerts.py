@@ -24,8 +24,8 @@ def test_the_issues_alerts_are_all_there_with_a_fix_in_each_description() -> Non
     names = [a.name for a in ALERTS]
     assert len(names) == len(set(names))
     assert names == [
-        "DataLoaderInputBound", "DataLoaderEpochStartStall", "DataLoaderShmNearlyFull",
-        "DataLoaderShmFull", "DataLoaderWorkerLost", "DataLoaderStalled",
+        "DataLoaderInputBound", "DataLoaderInputStraggler", "DataLoaderEpochStartStall",
+        "DataLoaderShmNearlyFull", "DataLoaderShmFull", "DataLoaderWorkerLost", "DataLoaderStalled",
         "DataLoaderExporterDown", "DataLoaderSnapshotsStale", "DataLoaderGpuCollectorDown",
         "DataLoaderHostMemoryPressure"]
     for a in ALERTS:

@@ -52,8 +52,10 @@ class Live:
     address: str  # the exporter's host:port
 
     def expand(self, expr: str) -> str:
-        """Substitutes the dashboard's variables as Grafana would for these selections."""
-        return re.sub(r"\$\{?(\w+)\}?", lambda m: self.values[m.group(1)], expr)
+        """Substitutes the dashboard's variables as Grafana would for these selections
+        (leaving what names no variable, such as label_replace's $1, as it is)."""
+        return re.sub(r"\$\{?(\w+)\}?", lambda m: self.values.get(m.group(1), m.group(0)),
+                      expr)
 
 
 @pytest.fixture(scope="module")

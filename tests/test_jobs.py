@@ -121,3 +121,12 @@ def test_the_local_ranks_of_each_rank_divide_the_cores() -> None:
     alone = build_report("test", machine(16), starved[:1], {"0": 1})
     assert {r.setting: r.value for r in alone.diagnoses[0].recommendations}[
         "num_workers"] == "12"  # nvme caps it
+
+
+def test_the_doctor_and_the_alert_share_the_straggler_and_stall_thresholds() -> None:
+    from dashboards import overview, promql
+
+    from diagnosis import doctor, jobs
+
+    assert promql.STRAGGLER == jobs.STRAGGLER
+    assert [v for v, _ in overview.STALL_BANDS[1:]] == [doctor.MODERATE, doctor.INPUT_BOUND]

@@ -38,8 +38,10 @@ def test_every_recording_rule_has_a_case_and_every_case_checks_a_rule() -> None:
     assert valued == set(recording.NAMES)
     absent = {t["expr"] for test in tests for t in test["promql_expr_test"]
               if not t["exp_samples"]}
-    assert absent == {recording.FETCH_PER_BATCH, recording.BATCH_PERIOD,
-                      recording.INPUT_STALL}
+    assert absent == {recording.RANK_FETCH_PER_BATCH, recording.RANK_STEP_PER_BATCH,
+                      recording.FETCH_PER_BATCH, recording.MEDIAN_FETCH_PER_BATCH,
+                      recording.BATCH_PERIOD, recording.INPUT_STALL, recording.STRAGGLER,
+                      recording.WAIT_FOR_RANKS}
 
 
 def test_names_say_the_labels_they_keep_and_rules_read_only_known_series() -> None:
