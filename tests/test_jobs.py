@@ -125,7 +125,6 @@ def test_the_local_ranks_of_each_rank_divide_the_cores() -> None:
 
 def test_the_doctor_and_the_alert_share_the_straggler_and_stall_thresholds() -> None:
     from dashboards import overview, promql
-
     from diagnosis import doctor, jobs
 
     assert promql.STRAGGLER == jobs.STRAGGLER
