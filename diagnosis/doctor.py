@@ -142,10 +142,11 @@ def _straggler(job: Job, rank: str) -> Finding:
 def _waits(job: Job, rank: str, times: RankTimes | None) -> Finding:
     wait = job.waiting.get(rank)
     step = times.step if times else None
+    them = "them" if len(job.stragglers) > 1 else "it"
     part = (f"about {ms(wait)} of its {ms(step)} step a batch ({pct(wait / step)}) is "
-            "waiting for them in the collective, not compute (estimated: its step minus the "
-            "fastest rank's)" if wait is not None and step else "its step includes waiting "
-            "for them in the collective")
+            f"waiting for {them} in the collective, not compute (estimated: its step minus "
+            "the fastest rank's)" if wait is not None and step else "its step includes "
+            f"waiting for {them} in the collective")
     who = ", ".join(job.straggler_ranks)
     return Finding("waits-for-straggler", (
         f"waits for rank{'s' if len(job.stragglers) > 1 else ''} {who}: {part}; fix "

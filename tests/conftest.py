@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
-from procs import Prometheus
+from procs import REPO, Prometheus
 from prometheus_client import CollectorRegistry
 
 IN_CI = os.environ.get("CI") == "true"
@@ -36,7 +36,9 @@ def promtool() -> str:
 
 @pytest.fixture(scope="session")
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
-    """One real Prometheus for the whole session; tests add file_sd targets to it."""
-    server = Prometheus(require_binary("prometheus"), tmp_path_factory.mktemp("prometheus"))
+    """One real Prometheus for the whole session, evaluating the committed recording rules
+    every second; tests add file_sd targets to it."""
+    server = Prometheus(require_binary("prometheus"), tmp_path_factory.mktemp("prometheus"),
+                        rule_files=[str(REPO / "deploy" / "prometheus" / "recording.yml")])
     yield server
     server.stop()
