@@ -11,6 +11,8 @@
            (else the test could not see a sync). Synchronize calls are also counted, and
            torch's sync-debug warnings (implicit syncs such as .item()).
   nvml     GpuCollector over the real pynvml, one scrape: at least one GPU, collector up.
+  uuid     after one to_device onto CUDA, dataloader_info's gpu_uuid is one of NVML's GPU
+           UUIDs (the join key between a rank and its GPU's utilization).
 
     python bench/gpu_check.py        (prints "SKIP: no CUDA" and exits 0 without a GPU)
 """
@@ -38,8 +40,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import instrument
 from exporter import catalogue as cat
+from exporter.config import ENV_DIR
 from instrument.env import current_rank
-from instrument.hub import ENV_DIR
 
 BATCH, WIDTH, BATCHES = 64, 32_768, 40  # 8 MiB batches: a copy takes ~10x its host-side launch
 SANE_FACTOR = 3.0  # instrumented transfer time vs the reference, either way
@@ -251,6 +253,28 @@ def check_nvml(nvml: Any = None, deadline_s: float = 10.0) -> Result:
         "torch_device_count": torch.cuda.device_count()}
 
 
+def check_gpu_uuid(dev: torch.device) -> Result:
+    registry = CollectorRegistry()
+    loader = instrument.DataLoader(dataset(1, 8), batch_size=BATCH, name="uuid",
+                                   registry=registry)
+    for batch in loader:
+        loader.to_device(batch, dev)
+    for _ in loader:  # the next epoch's dataloader_info carries it too
+        pass
+    seen = [s.labels.get("gpu_uuid", "") for f in registry.collect() for s in f.samples
+            if s.name == cat.INFO.name]
+    nvml_uuids: list[str] = []
+    with contextlib.suppress(Exception):
+        import pynvml
+
+        pynvml.nvmlInit()
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            u = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+            nvml_uuids.append(u.decode() if isinstance(u, bytes) else str(u))
+    ok = len(seen) == 1 and seen[0] != "" and seen[0] in nvml_uuids
+    return "PASS" if ok else "FAIL", "uuid", {"dataloader_info": seen, "nvml": nvml_uuids}
+
+
 def guarded(name: str, check: Callable[[], list[Result]]) -> list[Result]:
     """A check that raises fails alone; the others still run."""
     try:
@@ -270,7 +294,8 @@ def main() -> int:
     t0 = perf_counter()
     results = [*guarded("events", lambda: check_events_and_bytes(dev)),
                *guarded("overlap", lambda: [check_overlap(dev)]),
-               *guarded("nvml", lambda: [check_nvml()])]
+               *guarded("nvml", lambda: [check_nvml()]),
+               *guarded("uuid", lambda: [check_gpu_uuid(dev)])]
     for status, name, details in results:
         print(f"{status}  {name}: {json.dumps(details, sort_keys=True, default=str)}")
     summary = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
