@@ -134,10 +134,13 @@ CASES: tuple[Case, ...] = (
     Case("DataLoaderShmFull", "fires at 99% for 5 minutes", shm(990), "5m", fires(SHM)),
     Case("DataLoaderShmFull", "stays quiet at 95%", shm(950), "5m"),
 
-    Case("DataLoaderWorkerLost", "fires when one of two workers is gone mid-epoch",
-         workers(active="2x5 1x10"), "10m", fires(LOADER)),
     Case("DataLoaderWorkerLost", "fires when a worker was counted lost",
-         workers(active="2x15", lost="0x5 1x10"), "8m", fires(LOADER)),
+         workers(active="2x5 1x10", lost="0x5 1x10"), "8m", fires(LOADER)),
+    Case("DataLoaderWorkerLost", "stays quiet when a worker's IterableDataset shard runs out "
+         "mid-epoch (1 of 2 alive while batches flow, none lost)",
+         workers(active="2x5 1x10"), "10m"),
+    Case("DataLoaderWorkerLost", "stays quiet 10 minutes after the loss",
+         workers(active="2x15", lost="0x2 1x13"), "14m"),
     Case("DataLoaderWorkerLost", "stays quiet between epochs without persistent workers",
          workers(active="0x15", last_batch="60x15"), "10m"),
 

@@ -88,13 +88,13 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "DataLoaderWorkerLost",
-        f"(({sel(cat.WORKERS_CONFIGURED)} - {sel(cat.WORKERS_ACTIVE)} > 0) and "
-        f"(time() - {sel(cat.LAST_BATCH)} < 30)) or "
-        f"(increase({sel(cat.WORKERS_LOST)}[10m]) > 0)",
-        "1m", CRITICAL,
+        f"increase({sel(cat.WORKERS_LOST)}[10m]) > 0",
+        "0m", CRITICAL,
         f"DataLoader worker lost: {LOADER}",
-        "Fewer worker processes are alive than configured while the loader is handing out"
-        " batches, or a worker died in the last 10 minutes. Workers are usually killed by"
+        "A DataLoader worker process died while the loader still needed it, in the last 10"
+        " minutes (killed by a signal or exited with an error; a worker that finishes on"
+        " purpose, at the end of an epoch or of its IterableDataset shard, is not counted)."
+        " Workers are usually killed by"
         " the OOM killer (check dmesg and the container's memory limit) or by a full"
         " /dev/shm. Fix: fewer num_workers or a lower prefetch_factor, more memory or"
         " --shm-size, and datasets that share memory across workers (numpy arrays rather"

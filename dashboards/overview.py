@@ -204,8 +204,9 @@ workers = Row("Workers and batches", (
     Panel("Workers active against configured",
           "Worker processes alive against num_workers, and workers lost. Good: active equals "
           "configured while an epoch runs. With persistent_workers=False active drops to 0 "
-          "between epochs (that is the epoch-start stall). Active below configured mid-epoch, "
-          "or any lost worker, is a crash: usually the OOM killer or a full /dev/shm.",
+          "between epochs (that is the epoch-start stall), and a worker whose IterableDataset "
+          "shard ran out ends early on purpose. A lost worker died while it was needed: "
+          "usually the OOM killer or a full /dev/shm.",
           COUNT, ((f"active {BY_RANK}", sel(cat.WORKERS_ACTIVE, LOADER)),
                   (f"configured {BY_RANK}", sel(cat.WORKERS_CONFIGURED, LOADER)),
                   (f"lost {BY_RANK}", f"increase({sel(cat.WORKERS_LOST, LOADER)}[{W}])"))),
