@@ -55,6 +55,7 @@ class Diagnosis:
     figures: dict[str, float | None]
     findings: list[Finding] = field(default_factory=list)
     recommendations: list[Recommendation] = field(default_factory=list)
+    unknowns: list[str] = field(default_factory=list)  # what could not be judged, and why
 
     @property
     def healthy(self) -> bool:
@@ -212,8 +213,16 @@ def _recommend(d: Diagnosis, s: LoaderSignals, machine: Machine, local_ranks: in
     starved = d.verdict in ("input-bound", "moderately input-bound")
     cuda = s.gpu_utilization is not None
     rec = d.recommendations
+    if s.batches <= 0:
+        d.unknowns.append("no settings advice: the loader handed out no batch in the window")
+        return
     if cfg.workers is None:
-        return  # the loader's settings are unknown: no advice about them
+        d.unknowns.append("no settings advice: the loader's settings are unknown (no "
+                          "dataloader_info or workers gauge in the metrics)")
+        return
+    if not cuda:
+        d.unknowns.append("no GPU metrics: the advice assumes the loop trains on the CPU and "
+                          "keeps a core for it (run the sidecar with NVML, or dcgm-exporter)")
     workers, prefetch = cfg.workers, cfg.prefetch
     rec_workers = advisor.advised_workers(workers, starved, machine.cpu, local_ranks, cuda,
                                           machine.storage)
@@ -235,13 +244,17 @@ def _recommend(d: Diagnosis, s: LoaderSignals, machine: Machine, local_ranks: in
     if any(f.kind in ("shm-risk", "host-memory-risk") for f in d.findings) and prefetch > 1:
         want_prefetch = max(1, prefetch // 2)
         why = "fewer batches in flight keep /dev/shm and host memory within bounds"
+    elif starved and workers and busy is None:
+        why = ""  # how busy the workers are is unknown: no advice drawn from it
+        d.unknowns.append("worker busy time unknown (no per-worker figures): no advice on "
+                          "prefetch_factor from it")
     elif starved and eff_workers and busy is not None and busy < 0.7 and workers:
         want_prefetch = max(4, prefetch)
         why = (f"workers use only {pct(busy)} of a core each yet the loop waits: samples "
                "wait on I/O or cost unevenly, and a deeper queue hides that")
     else:
         why = "the default queue of two batches per worker is enough here"
-    if eff_workers:
+    if eff_workers and why:
         rec.append(Recommendation("prefetch_factor", str(want_prefetch), str(prefetch), why))
     if eff_workers and cfg.persistent is not True:
         rec.append(Recommendation("persistent_workers", "True", str(cfg.persistent), (

@@ -70,6 +70,7 @@ def _rank_lines(d: Diagnosis, multi: bool) -> list[str]:
         lines.append(f"  step {ms(step)} a batch, of which about {ms(wait)} waiting for "
                      "other ranks (estimated: its step minus the fastest rank's)")
     lines += [f"  ! {x.message}" for x in d.findings]
+    lines += [f"  ? {x}" for x in d.unknowns]
     if d.recommendations:
         lines.append("  settings:")
         for r in d.recommendations:

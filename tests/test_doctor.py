@@ -27,7 +27,8 @@ from exporter.facts.storage import storage_kind
 INTERVAL = 1.5
 TOP_KEYS = {"healthy", "machine", "jobs", "loaders", "source"}
 JOB_KEYS = {"loader", "ranks", "input_stall_share", "stragglers"}
-LOADER_KEYS = {"loader", "rank", "verdict", "figures", "findings", "recommendations", "healthy"}
+LOADER_KEYS = {"loader", "rank", "verdict", "figures", "findings", "recommendations", "healthy",
+               "unknowns"}
 
 
 def doctor(url: str, train: Callable[[], None], *extra: str) -> tuple[int, dict[str, Any]]:

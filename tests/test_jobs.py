@@ -130,3 +130,16 @@ def test_the_doctor_and_the_alert_share_the_straggler_and_stall_thresholds() -> 
 
     assert promql.STRAGGLER == jobs.STRAGGLER
     assert [v for v, _ in overview.STALL_BANDS[1:]] == [doctor.MODERATE, doctor.INPUT_BOUND]
+
+
+def test_missing_figures_give_no_advice_and_the_report_says_which_rank_and_why() -> None:
+    unknown = rank("0", 30, 10, workers=None)
+    no_busy = rank("1", 30, 10, workers=2)  # a wrapped loader: no per-worker figures
+    no_busy.gpu_utilization = 0.3
+    report = build_report("test", machine(), [unknown, no_busy], {"0": 1, "1": 1})
+    d0, d1 = report.diagnoses
+    assert d0.recommendations == [] and any("settings are unknown" in u for u in d0.unknowns)
+    assert "prefetch_factor" not in {r.setting for r in d1.recommendations}
+    assert any("worker busy time unknown" in u for u in d1.unknowns)
+    text = report.text()
+    assert "loader train, rank 0: INPUT-BOUND" in text and "  ? no settings advice" in text
