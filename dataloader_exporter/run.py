@@ -41,7 +41,7 @@ def autorun_dir() -> str:
     spec = importlib.util.find_spec("instrument")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the instrument package is not installed")
-    return os.path.join(list(spec.submodule_search_locations)[0], "autorun")
+    return os.path.join(next(iter(spec.submodule_search_locations)), "autorun")
 
 
 def environment(base: dict[str, str], metrics_dir: str | None, settings: str | None

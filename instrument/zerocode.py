@@ -8,10 +8,10 @@ names and settings), wrapped on the public class. Subclasses reach it through su
 torch's private iterator classes are never touched, and torch and the user still see
 their own dataset, sampler, collate_fn and worker_init_fn (see loader.instrumented_iter).
 
-Which loaders: those adopted by wrap() or instrument.DataLoader, and loaders built later
-over the same dataset object (a framework's copy keeps the name); in zero-code mode
-(install(auto=True), see autorun/sitecustomize.py) every loader. An instrument.DataLoader
-times itself and is never counted twice.
+Which loaders: those adopted by wrap() or instrument.DataLoader, and the copies a
+framework's code (FRAMEWORKS) builds of them over the same dataset object, under the same
+name; in zero-code mode (install(auto=True), see autorun/sitecustomize.py) every loader.
+An instrument.DataLoader times itself and is never counted twice.
 
 Names in zero-code mode, decided once when a loader is built, the same on every rank and
 every restart, and as few as the roles and dataset classes a program has: the explicit
@@ -24,6 +24,7 @@ the dataset's class name.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import inspect
 import logging
@@ -70,6 +71,9 @@ ROLES: dict[str, str] = {
     "predict_dataloader": "predict",
 }
 STACK_DEPTH = 64  # frames searched for a role, once per loader built
+# Packages whose loaders are copies of the user's when built over an adopted loader's dataset.
+FRAMEWORKS = ("accelerate", "lightning", "lightning_fabric", "pytorch_lightning",
+              "transformers")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]")
 
 
@@ -126,9 +130,7 @@ def install(auto: bool = False) -> None:
     with _lock:
         if auto:
             _auto = True
-        hooks = {"__iter__": _hooked_iter}
-        if auto:
-            hooks["__init__"] = _hooked_init
+        hooks = {"__iter__": _hooked_iter, "__init__": _hooked_init}
         for attr, hook in hooks.items():
             if getattr(vars(_TorchDataLoader)[attr], _MARK, None) is None:
                 setattr(_TorchDataLoader, attr, hook)
@@ -153,10 +155,13 @@ def _hooked_iter(self: Any) -> Any:
         if not (_auto or _datasets) or isinstance(self, loader.DataLoader):
             return TORCH_ITER(self)
         try:
-            naming = _datasets.get(getattr(self, "dataset", None))
-            if naming is None and _auto:  # built before the hook was installed
-                naming = Naming(_class_name(getattr(self, "dataset", None)))
-            if naming is None:
+            dataset = getattr(self, "dataset", None)
+            naming = _datasets.get(dataset) if dataset is not None else None
+            if _auto:  # built before the hook was installed
+                naming = naming or Naming(_class_name(dataset))
+            elif naming is None or not built_by_framework():
+                # Not a copy of an adopted loader that a framework iterates (Lightning
+                # puts torch's own __init__ back after its hooks, hiding the copy it builds).
                 return TORCH_ITER(self)
             dle = _instruments(self, naming)
         except Exception:  # instrumentation must never stop training
@@ -173,6 +178,15 @@ def _hooked_init(self: Any, *args: Any, **kwargs: Any) -> None:
         TORCH_INIT(self, *args, **kwargs)
         return
     dataset = args[0] if args else kwargs.get("dataset")
+    if not _auto:  # only a framework's copy of an adopted loader
+        TORCH_INIT(self, *args, **kwargs)
+        naming = _datasets.get(dataset) if dataset is not None else None
+        if naming is not None and built_by_framework():
+            try:
+                _instruments(self, naming)
+            except Exception:
+                log.warning("dataloader-exporter: cannot instrument %r", self, exc_info=True)
+        return
     naming = _naming_for(dataset)
     args, kwargs = apply_settings(naming.name, args, kwargs)  # may raise SettingsError
     TORCH_INIT(self, *args, **kwargs)
@@ -203,6 +217,19 @@ def _naming_for(dataset: Any) -> Naming:
     return inherited or Naming(_class_name(dataset))
 
 
+def built_by_framework(depth: int = STACK_DEPTH) -> bool:
+    """Whether code of one of FRAMEWORKS is on the calling stack."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        module = frame.f_globals.get("__name__", "")
+        if isinstance(module, str) and module.split(".", 1)[0] in FRAMEWORKS:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 def role_from_stack(depth: int = STACK_DEPTH) -> str | None:
     """The role (ROLES) of the nearest framework method on the calling stack, or None."""
     frame = sys._getframe(1)
@@ -229,10 +256,8 @@ def adopt(loader_obj: Any, dle: Any) -> None:
     dataset = getattr(loader_obj, "dataset", None)
     if dataset is not None:
         _datasets.put(dataset, naming)
-    try:
+    with contextlib.suppress(TypeError):  # cannot tell when it goes: said at exit instead
         weakref.finalize(loader_obj, _collected, dle)
-    except TypeError:
-        pass
     _exit_report()
 
 

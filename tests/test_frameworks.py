@@ -1,0 +1,155 @@
+"""Real frameworks on CPU, run as a user would: Accelerate under torchrun, the Hugging Face
+Trainer and Lightning's DDP through `dataloader-exporter run` with no exporter code in the
+script, and Lightning through instrument.wrap(). Each script (tests/frameworks/) records
+its own truth (steps per epoch, what its snapshot said mid-epoch); each run is shared by
+the assertions on it. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter import catalogue as cat
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "frameworks"
+RUN_TIMEOUT = 240  # seconds for one framework run, start-up of every process included
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class Run:
+    """One finished framework run: its truth files and its snapshot files, by rank."""
+
+    def __init__(self, out: Path, result: subprocess.CompletedProcess[str]) -> None:
+        self.log = result.stdout + result.stderr
+        assert result.returncode == 0, self.log[-4000:]
+        self.truth = {t["rank"]: t for t in (json.loads(p.read_text())
+                                             for p in out.glob("truth-*.json"))}
+        self.files = sorted((out / "m").glob("*.prom"))
+        self.samples: dict[int, list[tuple[str, dict[str, str], float]]] = {}
+        for path in self.files:
+            pid = int(re.match(r".*-(\d+)-[0-9a-f]+\.prom$", path.name).group(1))  # type: ignore[union-attr]
+            rank = next(r for r, t in self.truth.items() if t["pid"] == pid)
+            self.samples[rank] = [(s.name, s.labels, s.value) for f in
+                                  text_string_to_metric_families(path.read_text())
+                                  for s in f.samples]
+
+    def value(self, rank: int, name: str, **labels: str) -> float | None:
+        found = [v for n, lab, v in self.samples[rank] if n == name and
+                 all(lab.get(k) == x for k, x in labels.items())]
+        assert len(found) <= 1, (name, labels, found)
+        return found[0] if found else None
+
+    def labels(self, rank: int, name: str) -> list[dict[str, str]]:
+        return [lab for n, lab, _ in self.samples[rank] if n == name]
+
+
+def _run(tmp: Path, argv: list[str], env: dict[str, str] | None = None) -> Run:
+    out = tmp
+    (out / "m").mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **OFFLINE, "PYTHONPATH": str(SCRIPTS), **(env or {})}
+    result = subprocess.run(argv, cwd=out, env=full_env, capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT)
+    return Run(out, result)
+
+
+def zero_code(tmp: Path, *command: str) -> Run:
+    return _run(tmp, [sys.executable, "-m", "dataloader_exporter", "run", "--metrics-dir",
+                      str(tmp / "m"), "--", *command])
+
+
+@pytest.fixture(scope="module")
+def accelerate_torchrun(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    pytest.importorskip("accelerate")
+    tmp = tmp_path_factory.mktemp("accelerate")
+    return zero_code(tmp, sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc_per_node=2", str(SCRIPTS / "accelerate_train.py"), str(tmp))
+
+
+@pytest.fixture(scope="module")
+def hf_trainer(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    pytest.importorskip("transformers")
+    tmp = tmp_path_factory.mktemp("hf")
+    return zero_code(tmp, sys.executable, str(SCRIPTS / "hf_trainer.py"), str(tmp))
+
+
+@pytest.fixture(scope="module")
+def lightning_zero_code(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    pytest.importorskip("lightning")
+    tmp = tmp_path_factory.mktemp("lightning-zero-code")
+    return zero_code(tmp, sys.executable, str(SCRIPTS / "lightning_ddp.py"), str(tmp), "plain")
+
+
+@pytest.fixture(scope="module")
+def lightning_wrap(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    pytest.importorskip("lightning")
+    tmp = tmp_path_factory.mktemp("lightning-wrap")
+    return _run(tmp, [sys.executable, str(SCRIPTS / "lightning_ddp.py"), str(tmp), "wrap"],
+                {"PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO)]),
+                 "DATALOADER_EXPORTER_DIR": str(tmp / "m")})
+
+
+def assert_counts_match_the_script(run: Run, ranks: int, loader: str, epochs: int) -> None:
+    assert sorted(run.truth) == list(range(ranks)), run.log[-3000:]
+    assert len(run.files) == ranks, run.files  # one per rank; a launcher writes none
+    for rank, truth in run.truth.items():
+        assert run.value(rank, cat.BATCHES.name, loader=loader) == truth["steps"], truth
+        assert run.value(rank, cat.EPOCHS.name, loader=loader) == epochs
+        assert len(truth["per_epoch"]) == epochs
+
+
+def assert_workers_seen_honestly(run: Run, loader: str) -> None:
+    for rank, truth in run.truth.items():
+        workers = run.value(rank, cat.WORKERS_CONFIGURED.name, loader=loader)
+        assert workers == 1
+        assert run.labels(rank, cat.WORKER_SAMPLES.name) == [
+            {"loader": loader, "rank": str(rank), "worker": "0"}]
+        assert run.value(rank, cat.WORKERS_LOST.name, loader=loader) == 0
+        for seen in truth.get("seen", []):  # mid-epoch, while batches flowed
+            assert seen["active"] == workers and seen["lost"] == 0, truth
+
+
+def test_accelerate_under_torchrun_counts_each_ranks_steps_with_no_code(
+        accelerate_torchrun: Run) -> None:
+    # No name anywhere in the script: the loader is named after its dataset's class.
+    assert_counts_match_the_script(accelerate_torchrun, 2, "Points", 2)
+    for rank in (0, 1):
+        assert accelerate_torchrun.truth[rank]["per_epoch"] == [16, 16]  # 256 / 8 / 2 ranks
+
+
+def test_accelerate_prepared_loader_has_worker_series_and_no_false_worker_loss(
+        accelerate_torchrun: Run) -> None:
+    assert_workers_seen_honestly(accelerate_torchrun, "Points")
+    info = accelerate_torchrun.labels(0, cat.INFO.name)
+    assert len(info) == 1 and info[0]["batch_size"] == "8"  # read from Accelerate's sampler
+
+
+def test_hf_trainer_loader_is_named_train_and_counts_its_steps(hf_trainer: Run) -> None:
+    assert_counts_match_the_script(hf_trainer, 1, "train", 2)
+    assert hf_trainer.truth[0]["steps"] == hf_trainer.truth[0]["counted"] == 24  # 96 / 8 x 2
+
+
+def test_hf_trainer_workers_are_seen_and_epoch_restarts_are_not_losses(hf_trainer: Run) -> None:
+    assert_workers_seen_honestly(hf_trainer, "train")
+
+
+@pytest.mark.parametrize("mode", ["zero-code", "wrap"])
+def test_lightning_ddp_still_shards_each_rank_to_16_batches_an_epoch(
+        mode: str, request: pytest.FixtureRequest) -> None:
+    run: Run = request.getfixturevalue("lightning_zero_code" if mode == "zero-code"
+                                       else "lightning_wrap")
+    assert_counts_match_the_script(run, 2, "train", 2)
+    for truth in run.truth.values():
+        # 512 samples, batch size 16, 2 ranks: 16, not 32 (Lightning's sampler is in).
+        assert truth["per_epoch"] == [16, 16] and truth["sampler"] == "DistributedSampler"
+    assert_workers_seen_honestly(run, "train")
+    assert "never iterated" not in run.log
+
