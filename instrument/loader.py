@@ -387,10 +387,12 @@ def wrap(loader: Any, name: str = "default", metrics_dir: str | None = None,
     DataLoader.__iter__ runs (zerocode.py): frameworks' isinstance checks still pass (so
     Lightning still adds its DistributedSampler), and its workers get the per-worker hook.
     A copy a framework builds over the same dataset keeps the name. An instrument.DataLoader
-    is returned unchanged (never counted twice). Anything else iterable is held by a
+    or a loader wrapped already is returned unchanged (never counted twice); a loader that
+    zero-code mode named takes this name instead. Anything else iterable is held by a
     WrappedLoader that times each next().
     """
-    if isinstance(loader, DataLoader) or zerocode.instruments(loader) is not None:
+    known = zerocode.instruments(loader)
+    if isinstance(loader, DataLoader) or (known is not None and known.explicit):
         return loader
     if isinstance(loader, torch.utils.data.DataLoader):
         zerocode.adopt(loader, _Instruments(name, registry, metrics_dir, port))
