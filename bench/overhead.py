@@ -45,8 +45,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import instrument
 from exporter import catalogue as cat
+from exporter.config import ENV_DIR
 from instrument.env import current_rank
-from instrument.hub import ENV_DIR
 
 Step = Callable[[], None] | None
 VARIANTS = ("bare", "instrumented", "profiler")
