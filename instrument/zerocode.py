@@ -148,11 +148,13 @@ def _mark(original: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
 
 @_mark(TORCH_ITER)
 def _hooked_iter(self: Any) -> Any:
+    dle = _loaders.get(self)
+    if dle is None and not (_auto or _datasets):  # a plain loader, nothing adopted: as torch
+        return TORCH_ITER(self)
     from . import loader
 
-    dle = _loaders.get(self)
     if dle is None:
-        if not (_auto or _datasets) or isinstance(self, loader.DataLoader):
+        if isinstance(self, loader.DataLoader):
             return TORCH_ITER(self)
         try:
             dataset = getattr(self, "dataset", None)

@@ -6,63 +6,18 @@ the assertions on it. Nothing is downloaded."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from procs import REPO, SCRIPTS, Run, run_script
 
 from exporter import catalogue as cat
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "tests" / "frameworks"
-RUN_TIMEOUT = 240  # seconds for one framework run, start-up of every process included
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-class Run:
-    """One finished framework run: its truth files and its snapshot files, by rank."""
-
-    def __init__(self, out: Path, result: subprocess.CompletedProcess[str]) -> None:
-        self.log = result.stdout + result.stderr
-        assert result.returncode == 0, self.log[-4000:]
-        self.truth = {t["rank"]: t for t in (json.loads(p.read_text())
-                                             for p in out.glob("truth-*.json"))}
-        self.files = sorted((out / "m").glob("*.prom"))
-        self.samples: dict[int, list[tuple[str, dict[str, str], float]]] = {}
-        for path in self.files:
-            pid = int(re.match(r".*-(\d+)-[0-9a-f]+\.prom$", path.name).group(1))  # type: ignore[union-attr]
-            rank = next(r for r, t in self.truth.items() if t["pid"] == pid)
-            self.samples[rank] = [(s.name, s.labels, s.value) for f in
-                                  text_string_to_metric_families(path.read_text())
-                                  for s in f.samples]
-
-    def value(self, rank: int, name: str, **labels: str) -> float | None:
-        found = [v for n, lab, v in self.samples[rank] if n == name and
-                 all(lab.get(k) == x for k, x in labels.items())]
-        assert len(found) <= 1, (name, labels, found)
-        return found[0] if found else None
-
-    def labels(self, rank: int, name: str) -> list[dict[str, str]]:
-        return [lab for n, lab, _ in self.samples[rank] if n == name]
-
-
-def _run(tmp: Path, argv: list[str], env: dict[str, str] | None = None) -> Run:
-    out = tmp
-    (out / "m").mkdir(parents=True, exist_ok=True)
-    full_env = {**os.environ, **OFFLINE, "PYTHONPATH": str(SCRIPTS), **(env or {})}
-    result = subprocess.run(argv, cwd=out, env=full_env, capture_output=True, text=True,
-                            timeout=RUN_TIMEOUT)
-    return Run(out, result)
-
 
 def zero_code(tmp: Path, *command: str) -> Run:
-    return _run(tmp, [sys.executable, "-m", "dataloader_exporter", "run", "--metrics-dir",
+    return run_script(tmp, [sys.executable, "-m", "dataloader_exporter", "run", "--metrics-dir",
                       str(tmp / "m"), "--", *command])
 
 
@@ -92,7 +47,7 @@ def lightning_zero_code(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def lightning_wrap(tmp_path_factory: pytest.TempPathFactory) -> Run:
     pytest.importorskip("lightning")
     tmp = tmp_path_factory.mktemp("lightning-wrap")
-    return _run(tmp, [sys.executable, str(SCRIPTS / "lightning_ddp.py"), str(tmp), "wrap"],
+    return run_script(tmp, [sys.executable, str(SCRIPTS / "lightning_ddp.py"), str(tmp), "wrap"],
                 {"PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO)]),
                  "DATALOADER_EXPORTER_DIR": str(tmp / "m")})
 

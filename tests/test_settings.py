@@ -7,12 +7,12 @@ import logging
 
 import pytest
 import torch
+from helpers import SleepDataset
 from prometheus_client import CollectorRegistry
 
 import instrument
 from exporter import catalogue as cat
 from exporter.loadersettings import ENV_SETTINGS, Setting, SettingsError, format_settings, parse
-from helpers import SleepDataset
 
 
 def test_the_issue_example_parses_to_loader_setting_value() -> None:

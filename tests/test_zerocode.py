@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import SleepDataset, value
+from procs import REPO, SCRIPTS, Run, run_script
 from prometheus_client import CollectorRegistry
-from test_frameworks import REPO, SCRIPTS, Run, _run
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import instrument
 from dataloader_exporter.run import autorun_dir
 from exporter import catalogue as cat
-from helpers import SleepDataset, value
 from instrument import zerocode
 
 SETTINGS = ("train.prefetch_factor=3,train.persistent_workers=true,TensorDataset.num_workers=1,"
@@ -34,7 +34,7 @@ def env_switch(tmp_path_factory: pytest.TempPathFactory) -> Run:
     (theirs / "sitecustomize.py").write_text(
         "import pathlib\npathlib.Path('their-sitecustomize-ran').touch()\n")
     path = os.pathsep.join([autorun_dir(), str(SCRIPTS), str(REPO), str(theirs)])
-    return _run(tmp, [sys.executable, str(SCRIPTS / "plain_torch.py"), str(tmp)],
+    return run_script(tmp, [sys.executable, str(SCRIPTS / "plain_torch.py"), str(tmp)],
                 {"PYTHONPATH": path, "DATALOADER_EXPORTER_AUTO": "1",
                  "DATALOADER_EXPORTER_DIR": str(tmp / "m"),
                  "DATALOADER_EXPORTER_SETTINGS": SETTINGS})
