@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 from procs import REPO, SCRIPTS, Run, run_script
+from prometheus_client import CollectorRegistry
 
 from exporter import catalogue as cat
+from instrument import zerocode
 
 
 def zero_code(tmp: Path, *command: str) -> Run:
@@ -65,8 +67,9 @@ def assert_workers_seen_honestly(run: Run, loader: str) -> None:
     for rank, truth in run.truth.items():
         workers = run.value(rank, cat.WORKERS_CONFIGURED.name, loader=loader)
         assert workers == 1
-        assert run.labels(rank, cat.WORKER_SAMPLES.name) == [
-            {"loader": loader, "rank": str(rank), "worker": "0"}]
+        assert [lab for lab in run.labels(rank, cat.WORKER_SAMPLES.name)
+                if lab["loader"] == loader] == [{"loader": loader, "rank": str(rank),
+                                                 "worker": "0"}]
         assert run.value(rank, cat.WORKERS_LOST.name, loader=loader) == 0
         for seen in truth.get("seen", []):  # mid-epoch, while batches flowed
             assert seen["active"] == workers and seen["lost"] == 0, truth
@@ -94,6 +97,52 @@ def test_hf_trainer_loader_is_named_train_and_counts_its_steps(hf_trainer: Run) 
 
 def test_hf_trainer_workers_are_seen_and_epoch_restarts_are_not_losses(hf_trainer: Run) -> None:
     assert_workers_seen_honestly(hf_trainer, "train")
+
+
+def test_hf_trainer_eval_loader_built_mid_run_is_named_eval(hf_trainer: Run) -> None:
+    # Evaluated after each epoch: 32 samples at 8 a batch, twice.
+    assert hf_trainer.value(0, cat.BATCHES.name, loader="eval") == \
+        hf_trainer.truth[0]["eval_batches"]
+    assert {lab["loader"] for lab in hf_trainer.labels(0, cat.BATCHES.name)} == {"train",
+                                                                                 "eval"}
+
+
+def test_accelerate_copies_of_instrumented_and_wrapped_loaders_are_measured(
+        registry: CollectorRegistry) -> None:
+    """Without zero-code mode: prepare() of an instrument.DataLoader, and wrap() of what
+    prepare() returns (both gave no metrics, or a false worker loss, before)."""
+    accelerate = pytest.importorskip("accelerate")
+    import torch
+
+    import instrument
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from common import Points
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    acc = accelerate.Accelerator(cpu=True)
+    mine = acc.prepare(instrument.DataLoader(Points(32), batch_size=8, num_workers=1,
+                                             name="mine", registry=registry))
+    theirs = instrument.wrap(acc.prepare(torch.utils.data.DataLoader(Points(32), batch_size=8,
+                                                                     num_workers=1)),
+                             name="theirs", registry=registry)
+    assert isinstance(theirs, torch.utils.data.DataLoader)
+    for loader in (mine, theirs):
+        name = "mine" if loader is mine else "theirs"
+        labels = {"loader": name, "rank": "0"}
+        for i, _ in enumerate(loader):
+            if i == 1:  # batches flowing: the worker is seen alive
+                assert registry.get_sample_value(cat.WORKERS_ACTIVE.name, labels) == 1
+        assert registry.get_sample_value(cat.BATCHES.name, labels) == 4
+        assert registry.get_sample_value(cat.EPOCHS.name, labels) == 1
+        assert registry.get_sample_value(cat.WORKERS_LOST.name, labels) == 0
+        assert registry.get_sample_value(cat.WORKER_SAMPLES.name, {**labels, "worker": "0"}) \
+            == 32
+    info = {s.labels["loader"]: s.labels for f in registry.collect() if f.name == cat.INFO.name
+            for s in f.samples}
+    assert info["theirs"]["batch_size"] == "8"
+    assert "mine" not in zerocode.never_iterated() and "theirs" not in zerocode.never_iterated()
 
 
 @pytest.mark.parametrize("mode", ["zero-code", "wrap"])

@@ -27,7 +27,7 @@ def main(out: str) -> None:
             n += 1
             steps += 1
             if n == 8:  # mid-epoch, batches flowing: what do the metrics say?
-                seen.append(workers_seen(steps))
+                seen.append(workers_seen(steps, "Points"))
         per_epoch.append(n)
     record(out, acc.process_index, steps=steps, per_epoch=per_epoch, seen=seen)
     acc.end_training()

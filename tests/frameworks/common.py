@@ -31,9 +31,9 @@ class Points(Dataset):  # type: ignore[type-arg]
         return self.x[i], self.y[i]
 
 
-def snapshot_value(name: str, deadline_s: float = 5.0, at_least: float = 0.0
+def snapshot_value(name: str, loader: str, deadline_s: float = 5.0, at_least: float = 0.0
                    ) -> float | None:
-    """A sample of this process's own snapshot file once it reaches `at_least`."""
+    """A loader's sample in this process's own snapshot file once it reaches `at_least`."""
     directory = os.environ.get("DATALOADER_EXPORTER_DIR", "")
     end = time.monotonic() + deadline_s
     value = None
@@ -41,7 +41,7 @@ def snapshot_value(name: str, deadline_s: float = 5.0, at_least: float = 0.0
         for path in glob.glob(os.path.join(directory, f"*-{os.getpid()}-*.prom")):
             with open(path) as f:
                 for line in f:
-                    if line.startswith(name + "{"):
+                    if line.startswith(f'{name}{{loader="{loader}",'):
                         value = float(line.rsplit(" ", 1)[1])
         if value is not None and value >= at_least:
             return value
@@ -49,11 +49,12 @@ def snapshot_value(name: str, deadline_s: float = 5.0, at_least: float = 0.0
     return value
 
 
-def workers_seen(steps: int) -> dict[str, float | None]:
+def workers_seen(steps: int, loader: str) -> dict[str, float | None]:
     """workers_active and lost as the snapshot shows them once it has `steps` batches."""
-    batches = snapshot_value("dataloader_batches_total", at_least=steps)
-    return {"batches": batches, "active": snapshot_value("dataloader_workers_active"),
-            "lost": snapshot_value("dataloader_workers_lost_total")}
+    batches = snapshot_value("dataloader_batches_total", loader, at_least=steps)
+    return {"batches": batches,
+            "active": snapshot_value("dataloader_workers_active", loader),
+            "lost": snapshot_value("dataloader_workers_lost_total", loader)}
 
 
 def record(out: str, rank: int, **facts: object) -> None:

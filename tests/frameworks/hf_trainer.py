@@ -36,19 +36,21 @@ class Count(TrainerCallback):
         self.per_epoch[-1] += 1
         self.steps += 1
         if self.per_epoch[-1] == 6:
-            self.seen.append(workers_seen(self.steps))
+            self.seen.append(workers_seen(self.steps, "train"))
 
 
 def main(out: str) -> None:
     args = TrainingArguments(output_dir=out + "/hf", per_device_train_batch_size=8,
                              num_train_epochs=2, report_to="none", dataloader_num_workers=1,
                              save_strategy="no", logging_strategy="no", use_cpu=True,
-                             disable_tqdm=True, remove_unused_columns=False)
+                             disable_tqdm=True, remove_unused_columns=False,
+                             eval_strategy="epoch", per_device_eval_batch_size=8)
     count = Count()
-    trainer = Trainer(model=Tiny(), args=args, train_dataset=Dicts(96), callbacks=[count])
+    trainer = Trainer(model=Tiny(), args=args, train_dataset=Dicts(96), eval_dataset=Dicts(32),
+                      callbacks=[count])
     trainer.train()
     record(out, 0, steps=trainer.state.global_step, counted=count.steps,
-           per_epoch=count.per_epoch, seen=count.seen)
+           per_epoch=count.per_epoch, seen=count.seen, eval_batches=2 * 4)
 
 
 if __name__ == "__main__":
