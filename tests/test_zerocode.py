@@ -162,3 +162,18 @@ def test_names_come_from_the_framework_method_on_the_stack() -> None:
     assert train_dataloader() == "train"
     assert get_eval_dataloader() == "eval"
     assert zerocode.role_from_stack() is None
+
+
+def test_run_prints_the_environment_for_an_image_and_needs_a_command(tmp_path: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "dataloader_exporter", "run", *args],
+                              capture_output=True, text=True, timeout=60, cwd=REPO)
+
+    printed = cli("--metrics-dir", str(tmp_path), "--print-env")
+    assert printed.returncode == 0
+    lines = printed.stdout.splitlines()
+    assert f"PYTHONPATH={autorun_dir()}" in lines[0]
+    assert "DATALOADER_EXPORTER_AUTO=1" in lines
+    assert f"DATALOADER_EXPORTER_DIR={tmp_path}" in lines
+    missing = cli("--metrics-dir", str(tmp_path))
+    assert missing.returncode == 2 and "no command given" in missing.stderr
