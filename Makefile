@@ -12,7 +12,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet --disable-pip-version-check "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[torch,dashboards,dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[torch,dashboards,dev,frameworks]"
+	# The frameworks must not have replaced it.
+	$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)' and 'torch was replaced: ' + torch.__version__)"
 	touch $(STAMP)
 
 # Debian's Prometheus server and promtool, for the tests that run them (root only).

@@ -33,6 +33,8 @@ COMMANDS: dict[str, Command] = {
     "doctor": Command("diagnosis.doctor_cli",
                       "diagnose the input pipeline and say what to change"),
     "top": Command("diagnosis.top", "live terminal view of an exporter's DataLoader metrics"),
+    "run": Command("dataloader_exporter.run",
+                   "run a program with its DataLoaders instrumented, no code changes"),
     "demo": Command("instrument.demo", "a starved and a tuned CPU training run, side by side",
                     "torch", ("torch", "numpy")),
     "dashboards": Command("dashboards.command", "write Grafana dashboards, alerts and rules",

@@ -12,6 +12,7 @@ from diagnosis import promsource
 from diagnosis.machine import local_machine
 from diagnosis.report import Report
 from diagnosis.report import build_report as report_of
+from diagnosis.report import env_line
 from diagnosis.signals import Scrape, Window, loaders
 
 EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_UNREADABLE = 0, 1, 2
@@ -37,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-ranks", type=int, default=0,
                    help="training processes per machine (default: the ranks each exporter "
                         "instance reports)")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--format", choices=("text", "json", "env"), default="text",
+                   help="text (default), json, or env: the settings advice as one "
+                        "DATALOADER_EXPORTER_SETTINGS=... line for a ConfigMap or env file")
 
 
 def build_report(window: Window, source: str, data_path: str = ".",
@@ -78,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_UNREADABLE
     if args.format == "json":
         print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
+    elif args.format == "env":
+        print(env_line(report))
     else:
         print(report.text(), end="")
     return EXIT_HEALTHY if report.healthy else EXIT_PROBLEMS

@@ -9,6 +9,7 @@ from diagnosis.doctor import VERDICTS, Diagnosis, diagnose, gib, ms, pct, verdic
 from diagnosis.jobs import Job, jobs
 from diagnosis.machine import Machine
 from diagnosis.signals import LoaderSignals
+from exporter.loadersettings import ENV_SETTINGS, SETTINGS, format_settings
 
 
 @dataclass
@@ -94,3 +95,21 @@ def build_report(source: str, machine: Machine, signals: list[LoaderSignals],
     return Report(source, machine,
                   [diagnose(s, machine, local(s.rank), by_loader.get(s.loader))
                    for s in signals], views)
+
+
+def env_line(report: Report) -> str:
+    """The settings advice as one line of DATALOADER_EXPORTER_SETTINGS, ready for a
+    ConfigMap: loader settings only (not --shm-size or non_blocking, which are not the
+    loader's), and only changes. The ranks of a loader share one line: the most workers
+    and the deepest queue any rank was advised, and a flag any rank was advised to set."""
+    advice: dict[str, dict[str, int | bool]] = {}
+    for d in report.diagnoses:
+        for r in d.recommendations:
+            if r.setting not in SETTINGS or r.value == r.current:
+                continue
+            kind, _ = SETTINGS[r.setting]
+            value: int | bool = r.value.lower() == "true" if kind is bool else int(r.value)
+            mine = advice.setdefault(d.loader, {})
+            mine[r.setting] = max(mine.get(r.setting, value), value)
+    items = [format_settings(loader, s) for loader, s in sorted(advice.items()) if s]
+    return f"{ENV_SETTINGS}={','.join(items)}"

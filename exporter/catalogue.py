@@ -91,7 +91,8 @@ SAMPLES = _m(
     "", LOADER_LABELS, TRAINER)
 EPOCHS = _m(
     "dataloader_epochs_total", COUNTER,
-    "Epochs started, that is iterators created over the loader.",
+    "Epochs started: iterators over the loader that handed out a first batch (an iter() "
+    "that fetches nothing, a framework's probe, is not an epoch).",
     "", LOADER_LABELS, TRAINER)
 FIRST_BATCH = _m(
     "dataloader_first_batch_seconds", HISTOGRAM,

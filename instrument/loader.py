@@ -10,9 +10,11 @@ appends and a few integer updates.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any, TypeVar
 
@@ -21,7 +23,7 @@ import torch.utils.data
 
 from exporter.config import ENV_DIR
 
-from . import compat
+from . import compat, zerocode
 from .batch import batch_len, batch_nbytes, move
 from .env import current_rank
 from .gpu import gpu_uuid
@@ -39,11 +41,20 @@ MAX_PENDING_EVENTS = 4096  # CUDA event pairs kept waiting before the oldest are
 
 
 class _Instruments:
-    """One loader object's link to its recorder, sinks and advice."""
+    """One loader object's link to its recorder, sinks and advice.
+
+    explicit: built by instrument.DataLoader or wrap() (not by zero-code mode), so a loader
+    that is never iterated is worth a word (see zerocode.py).
+    """
 
     def __init__(self, name: str, registry: Any, metrics_dir: str | None,
-                 port: int | None) -> None:
+                 port: int | None, explicit: bool = True) -> None:
         self.name = name
+        self.registry = registry
+        self.metrics_dir = metrics_dir
+        self.port = port
+        self.explicit = explicit
+        self.iterated = False
         self.hub: Hub = hub_for(registry)
         self.preflight = Preflight(name)
         self.config = LoaderConfig(None, None, None, None, None)
@@ -68,16 +79,16 @@ class _Instruments:
         return self._rec
 
     def start_epoch(self, loader: Any) -> None:
-        self.epochs += 1
-        self.config = LoaderConfig.of(loader)
+        """At iter(): the loader's settings. The epoch itself starts at its first batch (a
+        framework may call iter() to probe a loader and fetch nothing)."""
+        self.config = loader_config(loader)
         rec = self.rec
         rec.config = {"loader": self.name, "rank": rec.rank, **self.config.labels(),
                       "gpu_uuid": rec.gpu_uuid}
-        rec.epochs += 1
-        try:
-            self.preflight.on_iter(self.config, self.epochs)
-        except Exception:  # advice must never stop training
-            log.debug("preflight failed", exc_info=True)
+        if self.config.num_workers == 0:
+            rec.workers.blind = False
+            if rec.workers.active is None:
+                rec.workers.active = 0
 
     def tracking(self, it: Any) -> bool:
         """Whether `it` is the iterator whose workers are tracked already (persistent)."""
@@ -88,9 +99,16 @@ class _Instruments:
         """Tracks the workers of a new iterator until it is collected; 0 when there are none."""
         if self.tracking(it):
             return self._last_gen
+        workers = self.rec.workers
+        if self._last_gen and not self.config.persistent_workers:
+            workers.stop(self._last_gen)  # a new epoch: torch shuts the old ones down on purpose
+            self._last_gen = 0
         pids = compat.worker_pids(it)
         if block is None and not pids:
+            # Workers we cannot see (a loader that is not torch's) are unknown, not 0.
+            workers.blind = self.config.num_workers != 0
             return 0
+        workers.blind = False
         try:
             self._last_it = weakref.ref(it)
         except TypeError:  # cannot tell when it goes away, so its workers are not tracked
@@ -102,6 +120,13 @@ class _Instruments:
     def first_batch(self, batch: Any, since_iter_ns: int) -> None:
         rec = self.rec
         rec.first.append(since_iter_ns)
+        self.iterated = True
+        self.epochs += 1
+        rec.epochs += 1
+        try:
+            self.preflight.on_iter(self.config, self.epochs)
+        except Exception:  # advice must never stop training
+            log.debug("preflight failed", exc_info=True)
         try:
             rec.batch_bytes = batch_nbytes(batch)
             self.preflight.on_first_batch(self.config, rec.batch_bytes)
@@ -151,6 +176,39 @@ class _Instruments:
             rec.transfer.append(perf_counter_ns() - t0)
         rec.transfer_bytes += nbytes
         return out
+
+
+def loader_config(loader: Any) -> LoaderConfig:
+    """The loader's effective settings; the batch size read from its batch sampler when the
+    loader has none of its own (Accelerate shards through a batch sampler)."""
+    cfg = LoaderConfig.of(loader)
+    if cfg.batch_size is None:
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            cfg = dataclasses.replace(cfg, batch_size=size)
+    return cfg
+
+
+def instrumented_iter(loader: Any, dle: _Instruments, torch_iter: Callable[[Any], Any]
+                      ) -> TimedIterator:
+    """iter(loader) through torch's own __iter__ (`torch_iter`), timed, its new workers
+    given a TimedCollate while torch starts them (their one hook, see workers.py); the
+    loader's collate_fn is the user's again before this returns."""
+    start = perf_counter_ns()
+    dle.start_epoch(loader)
+    if not loader.num_workers:
+        return TimedIterator(torch_iter(loader), dle, start)
+    if loader.persistent_workers and dle.tracking(compat.persistent_iterator(loader)):
+        it = torch_iter(loader)  # the same workers again: nothing new to hand them
+        return TimedIterator(it, dle, start, dle.track(it, None))
+    block = new_block(loader.num_workers)
+    collate = loader.collate_fn
+    loader.collate_fn = TimedCollate(collate, block, batched=loader.batch_sampler is not None)
+    try:
+        it = torch_iter(loader)
+    finally:
+        loader.collate_fn = collate
+    return TimedIterator(it, dle, start, dle.track(it, block))
 
 
 def reraise_torch_worker_error(e: Exception) -> None:
@@ -239,32 +297,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def __init__(self, dataset: torch.utils.data.Dataset[T_co], *args: Any,
                  name: str = "default", metrics_dir: str | None = None,
                  port: int | None = None, registry: Any = None, **kwargs: Any) -> None:
-        super().__init__(dataset, *args, **kwargs)
+        # $DATALOADER_EXPORTER_SETTINGS first: a bad line fails here, before any work.
+        args, kwargs = zerocode.apply_settings(name, (dataset, *args), kwargs)
+        super().__init__(*args, **kwargs)
         self.name = name
         self.metrics_dir = metrics_dir
         self.port = port
         self.registry = registry  # an attribute, so frameworks that rebuild loaders keep it
         self._dle = _Instruments(name, registry, metrics_dir, port)
+        zerocode.adopt(self, self._dle)  # a framework's copy over the same dataset inherits
 
     def __iter__(self) -> Any:
-        dle = self._dle
-        start = perf_counter_ns()
-        dle.start_epoch(self)
-        if not self.num_workers:
-            return TimedIterator(super().__iter__(), dle, start)
-        if self.persistent_workers and dle.tracking(compat.persistent_iterator(self)):
-            it = super().__iter__()  # the same workers again: nothing new to hand them
-            return TimedIterator(it, dle, start, dle.track(it, None))
-        # New workers get a TimedCollate (their one hook, see workers.py) while torch's
-        # iterator starts them; the loader's collate_fn is the user's again right after.
-        block = new_block(self.num_workers)
-        collate = self.collate_fn
-        self.collate_fn = TimedCollate(collate, block, batched=self.batch_sampler is not None)
-        try:
-            it = super().__iter__()
-        finally:
-            self.collate_fn = collate
-        return TimedIterator(it, dle, start, dle.track(it, block))
+        return instrumented_iter(self, self._dle, zerocode.TORCH_ITER)
 
     def to_device(self, batch: Any, device: Any, non_blocking: bool = True) -> Any:
         """Moves a (nested) batch to `device` and times the transfer (see instrument.to_device)."""
@@ -283,6 +327,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.__dict__.setdefault("registry", None)
         self.__dict__["_dle"] = _Instruments(self.name, self.registry, self.metrics_dir,
                                              self.port)
+        zerocode.adopt(self, self.__dict__["_dle"])
 
     def __copy__(self) -> DataLoader[T_co]:
         new = type(self).__new__(type(self))
@@ -311,6 +356,9 @@ class WrappedLoader:
         dle.start_epoch(self.loader)
         it = iter(self.loader)
         return TimedIterator(it, dle, start, dle.track(it, None))
+
+    def __repr__(self) -> str:
+        return f"<instrument.wrap of {self.loader!r}>"
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -342,12 +390,24 @@ _WRAPPER_OWN = frozenset({"loader", "_dle"})
 
 
 def wrap(loader: Any, name: str = "default", metrics_dir: str | None = None,
-         port: int | None = None, registry: Any = None) -> WrappedLoader:
+         port: int | None = None, registry: Any = None) -> Any:
     """Instruments a loader you did not construct (from a framework, say).
 
-    Gives every metric but the per-worker ones, which need hooks installed before the
-    workers start; worker liveness comes from the iterator (see compat.py).
+    A torch DataLoader (or anything that passes isinstance as one, like Accelerate's
+    prepared loaders) is returned as it is, instrumented where torch's public
+    DataLoader.__iter__ runs (zerocode.py): frameworks' isinstance checks still pass (so
+    Lightning still adds its DistributedSampler), and its workers get the per-worker hook.
+    A copy a framework builds over the same dataset keeps the name. An instrument.DataLoader
+    or a loader wrapped already is returned unchanged (never counted twice); a loader that
+    zero-code mode named takes this name instead. Anything else iterable is held by a
+    WrappedLoader that times each next().
     """
+    known = zerocode.instruments(loader)
+    if isinstance(loader, DataLoader) or (known is not None and known.explicit):
+        return loader
+    if isinstance(loader, torch.utils.data.DataLoader):
+        zerocode.adopt(loader, _Instruments(name, registry, metrics_dir, port))
+        return loader
     return WrappedLoader(loader, name, metrics_dir, port, registry)
 
 
@@ -358,7 +418,8 @@ def to_device(batch: Any, device: Any, non_blocking: bool = True, loader: Any = 
     the loop), so non_blocking copies still overlap compute; elsewhere the host time
     of the copy is measured.
     """
-    dle = getattr(loader, "_dle", None)
+    dle = getattr(loader, "_dle", None) if isinstance(loader, (DataLoader, WrappedLoader)) else (
+        zerocode.instruments(loader))
     if isinstance(dle, _Instruments):
         return dle.to_device(batch, device, non_blocking)
     return move(batch, torch.device(device), non_blocking)[0]

@@ -80,7 +80,9 @@ class WorkerTracker:
 
     def __init__(self, min_interval: float = 1.0) -> None:
         self.min_interval = min_interval
-        self.active: int | None = 0
+        self.active: int | None = None  # None: not known (yet)
+        # True while the loader has workers this process cannot see: active is unknown.
+        self.blind = False
         self.lost = 0
         self._lock = threading.Lock()
         self._live: dict[int, _Generation] = {}
@@ -143,6 +145,9 @@ class WorkerTracker:
                 return
             self._next = now + self.min_interval
             watched = [g for g in self._live.values() if g.watched]
+            if self.blind and not watched:
+                self.active = None
+                return
             known: set[int] = set().union(*(g.all_pids() for g in watched))
             if watched and not known:
                 self.active = None  # workers exist, but none can be seen yet

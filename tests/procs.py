@@ -22,7 +22,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "frameworks"  # training scripts run under real frameworks
+HF_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+              "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def free_port() -> int:
@@ -202,3 +207,40 @@ class Exporter:
         self._reader.join(timeout=5)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
+
+
+class Run:
+    """One finished framework run: its truth files and its snapshot files, by rank."""
+
+    def __init__(self, out: Path, result: subprocess.CompletedProcess[str]) -> None:
+        self.log = result.stdout + result.stderr
+        assert result.returncode == 0, self.log[-4000:]
+        self.truth = {t["rank"]: t for t in (json.loads(p.read_text())
+                                             for p in out.glob("truth-*.json"))}
+        self.files = sorted((out / "m").glob("*.prom"))
+        self.samples: dict[int, list[tuple[str, dict[str, str], float]]] = {}
+        for path in self.files:
+            pid = int(re.match(r".*-(\d+)-[0-9a-f]+\.prom$", path.name).group(1))  # type: ignore[union-attr]
+            rank = next(r for r, t in self.truth.items() if t["pid"] == pid)
+            self.samples[rank] = [(s.name, s.labels, s.value) for f in
+                                  text_string_to_metric_families(path.read_text())
+                                  for s in f.samples]
+
+    def value(self, rank: int, name: str, **labels: str) -> float | None:
+        found = [v for n, lab, v in self.samples[rank] if n == name and
+                 all(lab.get(k) == x for k, x in labels.items())]
+        assert len(found) <= 1, (name, labels, found)
+        return found[0] if found else None
+
+    def labels(self, rank: int, name: str) -> list[dict[str, str]]:
+        return [lab for n, lab, _ in self.samples[rank] if n == name]
+
+
+def run_script(out: Path, argv: list[str], env: dict[str, str] | None = None,
+               timeout: float = 240) -> Run:
+    """Runs a test script to its end (killed past `timeout`) in `out`, snapshots in out/m."""
+    (out / "m").mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **HF_OFFLINE, "PYTHONPATH": str(SCRIPTS), **(env or {})}
+    result = subprocess.run(argv, cwd=out, env=full_env, capture_output=True, text=True,
+                            timeout=timeout)
+    return Run(out, result)

@@ -127,3 +127,8 @@ def test_the_torch_extra_alone_runs_an_instrumented_loader(tmp_path: Path, wheel
                             cwd=tmp_path, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "6", result.stderr
     assert command(python, "demo", "--help").returncode == 0
+
+
+def test_the_wheel_ships_zero_code_modes_start_up_hook(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        assert "instrument/autorun/sitecustomize.py" in z.namelist()

@@ -1,0 +1,141 @@
+"""DataLoader settings from the environment: one line, the Kubernetes ConfigMap way.
+
+    DATALOADER_EXPORTER_SETTINGS="train.num_workers=8,train.prefetch_factor=4,*.persistent_workers=true"
+
+Each item is ``LOADER.SETTING=VALUE``: a loader name (the ``loader`` label) or ``*`` for
+every loader, one of SETTINGS, and its value. A named item wins over a ``*`` item for the
+same setting. The instrumentation applies them when a loader is built; the doctor prints
+its advice in the same format (format_settings), so advice becomes a ConfigMap line.
+
+Stdlib only (the doctor and the `run` command use it without torch). Every problem in a
+line is reported together, in one SettingsError, before anything runs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+ENV_SETTINGS = "DATALOADER_EXPORTER_SETTINGS"
+ANY = "*"
+
+Value = int | bool
+
+# setting -> (kind, smallest value for integers)
+SETTINGS: dict[str, tuple[type, int]] = {
+    "num_workers": (int, 0),
+    "prefetch_factor": (int, 1),
+    "persistent_workers": (bool, 0),
+    "pin_memory": (bool, 0),
+}
+NEEDS_WORKERS = ("prefetch_factor", "persistent_workers")  # torch refuses them without workers
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]+$")  # what a loader label may be (names have no '=' or ',')
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+class SettingsError(ValueError):
+    """A settings line that cannot be applied; the message lists every problem."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    loader: str  # a loader name, or ANY
+    name: str
+    value: Value
+
+
+def _value(kind: type, least: int, raw: str) -> Value:
+    text = raw.strip().lower()
+    if kind is bool:
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise ValueError("expected true or false")
+    if not re.fullmatch(r"[+-]?\d+", text):
+        raise ValueError("expected a whole number")
+    number = int(text)
+    if number < least:
+        raise ValueError(f"must be {least} or more")
+    return number
+
+
+def parse(line: str) -> tuple[Setting, ...]:
+    """The settings of one line, in order; raises SettingsError listing every problem."""
+    settings: list[Setting] = []
+    problems: list[str] = []
+    for item in (i.strip() for i in line.split(",")):
+        if not item:
+            continue
+        key, sep, raw = item.partition("=")
+        loader, dot, name = key.strip().rpartition(".")
+        if not sep or not dot or not loader:
+            problems.append(f"{item!r}: expected LOADER.SETTING=VALUE (LOADER may be {ANY})")
+            continue
+        if loader != ANY and not _NAME.match(loader):
+            problems.append(f"{item!r}: {loader!r} is not a loader name")
+            continue
+        if name not in SETTINGS:
+            problems.append(f"{item!r}: unknown setting {name!r} (known: "
+                            f"{', '.join(SETTINGS)})")
+            continue
+        kind, least = SETTINGS[name]
+        try:
+            settings.append(Setting(loader, name, _value(kind, least, raw)))
+        except ValueError as e:
+            problems.append(f"{item!r}: {name} {e}")
+    seen: dict[tuple[str, str], Value] = {}
+    for s in settings:
+        if seen.setdefault((s.loader, s.name), s.value) != s.value:
+            problems.append(f"{s.loader}.{s.name} is given twice, with different values")
+    for loader in {s.loader for s in settings}:
+        own = {s.name: s.value for s in settings if s.loader == loader}
+        if own.get("num_workers") == 0:
+            clash = [n for n in NEEDS_WORKERS if own.get(n) not in (None, False)]
+            if clash:
+                problems.append(f"{loader}: {' and '.join(clash)} need workers, but "
+                                "num_workers=0")
+    if problems:
+        raise SettingsError(f"{ENV_SETTINGS}: " + "; ".join(problems))
+    return tuple(settings)
+
+
+def for_loader(settings: Iterable[Setting], loader: str) -> dict[str, Value]:
+    """The settings that apply to one loader name: its own over those for every loader."""
+    out: dict[str, Value] = {}
+    own: dict[str, Value] = {}
+    for s in settings:
+        if s.loader == ANY:
+            out[s.name] = s.value
+        elif s.loader == loader:
+            own[s.name] = s.value
+    out.update(own)
+    return out
+
+
+def named_loaders(settings: Iterable[Setting]) -> set[str]:
+    """The loader names a line mentions (to say which never matched a loader)."""
+    return {s.loader for s in settings if s.loader != ANY}
+
+
+def _text(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def format_settings(loader: str, settings: Mapping[str, object]) -> str:
+    """One loader's settings as a line of ENV_SETTINGS, in SETTINGS order.
+
+    format_settings("train", {"num_workers": 8, "persistent_workers": True})
+    == "train.num_workers=8,train.persistent_workers=true". Raises SettingsError for an
+    unknown setting or value, so what the doctor prints always parses.
+    """
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise SettingsError(f"unknown setting(s) {', '.join(unknown)} (known: "
+                            f"{', '.join(SETTINGS)})")
+    line = ",".join(f"{loader}.{name}={_text(settings[name])}" for name in SETTINGS
+                    if name in settings)
+    parse(line)
+    return line

@@ -1,0 +1,65 @@
+"""`doctor --format env`: the advice as one DATALOADER_EXPORTER_SETTINGS line, which a
+loader built with that environment then takes (diagnosis to fix, no code change)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import SleepDataset
+from prometheus_client import CollectorRegistry
+
+import instrument
+from diagnosis.machine import Machine
+from diagnosis.report import build_report, env_line
+from diagnosis.signals import LoaderSignals
+from exporter.loadersettings import ENV_SETTINGS, for_loader, parse
+
+
+def starved(rank: str, workers: int, loader: str = "train") -> LoaderSignals:
+    s = LoaderSignals(loader, rank, seconds=10, fetch_seconds=8, step_seconds=2, batches=100,
+                      samples=400, batch_bytes=4096, workers_configured=workers,
+                      worker_cpu_seconds=2.0 * workers)
+    s.config = {"num_workers": str(workers), "prefetch_factor": "2" if workers else "",
+                "persistent_workers": "false", "pin_memory": "false"}
+    return s
+
+
+def machine() -> Machine:
+    return Machine(8, None, 64 << 30, 32 << 30, 64 << 30, "nvme", "/data")
+
+
+def test_the_env_line_holds_only_loader_settings_that_change_and_parses() -> None:
+    report = build_report("test", machine(), [starved("0", 0), starved("0", 2, "val")], 1)
+    line = env_line(report)
+    name, _, value = line.partition("=")
+    assert name == ENV_SETTINGS
+    settings = parse(value)  # what the doctor prints is always a valid line
+    train, val = for_loader(settings, "train"), for_loader(settings, "val")
+    assert train["num_workers"] == 7 and train["persistent_workers"] is True
+    assert val["num_workers"] == 7 and val["persistent_workers"] is True
+    assert "shm" not in line and "non_blocking" not in line
+
+
+def test_ranks_of_one_loader_share_one_line() -> None:
+    report = build_report("test", machine(), [starved("0", 1), starved("1", 3)], 1)
+    value = env_line(report).partition("=")[2]
+    assert value.count("train.num_workers=") == 1
+
+
+def test_nothing_to_change_is_an_empty_line() -> None:
+    healthy = LoaderSignals("train", "0", seconds=10, fetch_seconds=0.01, step_seconds=9,
+                            batches=100, workers_configured=2)
+    healthy.config = {"num_workers": "2", "prefetch_factor": "2",
+                      "persistent_workers": "true", "pin_memory": "false"}
+    report = build_report("test", Machine(3, None, 1 << 30, 1 << 30, 1 << 30, "nvme", "/"),
+                          [healthy], 1)
+    assert env_line(report) == f"{ENV_SETTINGS}="
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_a_loader_built_with_the_doctors_line_takes_its_settings(
+        monkeypatch: pytest.MonkeyPatch, registry: CollectorRegistry) -> None:
+    value = env_line(build_report("test", machine(), [starved("0", 0)], 1)).partition("=")[2]
+    monkeypatch.setenv(ENV_SETTINGS, value)
+    loader = instrument.DataLoader(SleepDataset(4), batch_size=2, name="train",
+                                   registry=registry)
+    assert loader.num_workers == 7 and loader.persistent_workers is True

@@ -1,0 +1,159 @@
+"""Real frameworks on CPU, run as a user would: Accelerate under torchrun, the Hugging Face
+Trainer and Lightning's DDP through `dataloader-exporter run` with no exporter code in the
+script, and Lightning through instrument.wrap(). Each script (tests/frameworks/) records
+its own truth (steps per epoch, what its snapshot said mid-epoch); each run is shared by
+the assertions on it. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from procs import REPO, SCRIPTS, Run, run_script
+from prometheus_client import CollectorRegistry
+
+from exporter import catalogue as cat
+from instrument import zerocode
+
+
+def zero_code(tmp: Path, *command: str) -> Run:
+    return run_script(tmp, [sys.executable, "-m", "dataloader_exporter", "run", "--metrics-dir",
+                      str(tmp / "m"), "--", *command])
+
+
+@pytest.fixture(scope="module")
+def accelerate_torchrun(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    pytest.importorskip("accelerate")
+    tmp = tmp_path_factory.mktemp("accelerate")
+    return zero_code(tmp, sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc_per_node=2", str(SCRIPTS / "accelerate_train.py"), str(tmp))
+
+
+@pytest.fixture(scope="module")
+def hf_trainer(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    pytest.importorskip("transformers")
+    tmp = tmp_path_factory.mktemp("hf")
+    return zero_code(tmp, sys.executable, str(SCRIPTS / "hf_trainer.py"), str(tmp))
+
+
+@pytest.fixture(scope="module")
+def lightning_zero_code(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    pytest.importorskip("lightning")
+    tmp = tmp_path_factory.mktemp("lightning-zero-code")
+    return zero_code(tmp, sys.executable, str(SCRIPTS / "lightning_ddp.py"), str(tmp), "plain")
+
+
+@pytest.fixture(scope="module")
+def lightning_wrap(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    pytest.importorskip("lightning")
+    tmp = tmp_path_factory.mktemp("lightning-wrap")
+    return run_script(tmp, [sys.executable, str(SCRIPTS / "lightning_ddp.py"), str(tmp), "wrap"],
+                {"PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO)]),
+                 "DATALOADER_EXPORTER_DIR": str(tmp / "m")})
+
+
+def assert_counts_match_the_script(run: Run, ranks: int, loader: str, epochs: int) -> None:
+    assert sorted(run.truth) == list(range(ranks)), run.log[-3000:]
+    assert len(run.files) == ranks, run.files  # one per rank; a launcher writes none
+    for rank, truth in run.truth.items():
+        assert run.value(rank, cat.BATCHES.name, loader=loader) == truth["steps"], truth
+        assert run.value(rank, cat.EPOCHS.name, loader=loader) == epochs
+        assert len(truth["per_epoch"]) == epochs
+
+
+def assert_workers_seen_honestly(run: Run, loader: str) -> None:
+    for rank, truth in run.truth.items():
+        workers = run.value(rank, cat.WORKERS_CONFIGURED.name, loader=loader)
+        assert workers == 1
+        assert [lab for lab in run.labels(rank, cat.WORKER_SAMPLES.name)
+                if lab["loader"] == loader] == [{"loader": loader, "rank": str(rank),
+                                                 "worker": "0"}]
+        assert run.value(rank, cat.WORKERS_LOST.name, loader=loader) == 0
+        for seen in truth.get("seen", []):  # mid-epoch, while batches flowed
+            assert seen["active"] == workers and seen["lost"] == 0, truth
+
+
+def test_accelerate_under_torchrun_counts_each_ranks_steps_with_no_code(
+        accelerate_torchrun: Run) -> None:
+    # No name anywhere in the script: the loader is named after its dataset's class.
+    assert_counts_match_the_script(accelerate_torchrun, 2, "Points", 2)
+    for rank in (0, 1):
+        assert accelerate_torchrun.truth[rank]["per_epoch"] == [16, 16]  # 256 / 8 / 2 ranks
+
+
+def test_accelerate_prepared_loader_has_worker_series_and_no_false_worker_loss(
+        accelerate_torchrun: Run) -> None:
+    assert_workers_seen_honestly(accelerate_torchrun, "Points")
+    info = accelerate_torchrun.labels(0, cat.INFO.name)
+    assert len(info) == 1 and info[0]["batch_size"] == "8"  # read from Accelerate's sampler
+
+
+def test_hf_trainer_loader_is_named_train_and_counts_its_steps(hf_trainer: Run) -> None:
+    assert_counts_match_the_script(hf_trainer, 1, "train", 2)
+    assert hf_trainer.truth[0]["steps"] == hf_trainer.truth[0]["counted"] == 24  # 96 / 8 x 2
+
+
+def test_hf_trainer_workers_are_seen_and_epoch_restarts_are_not_losses(hf_trainer: Run) -> None:
+    assert_workers_seen_honestly(hf_trainer, "train")
+
+
+def test_hf_trainer_eval_loader_built_mid_run_is_named_eval(hf_trainer: Run) -> None:
+    # Evaluated after each epoch: 32 samples at 8 a batch, twice.
+    assert hf_trainer.value(0, cat.BATCHES.name, loader="eval") == \
+        hf_trainer.truth[0]["eval_batches"]
+    assert {lab["loader"] for lab in hf_trainer.labels(0, cat.BATCHES.name)} == {"train",
+                                                                                 "eval"}
+
+
+def test_accelerate_copies_of_instrumented_and_wrapped_loaders_are_measured(
+        registry: CollectorRegistry) -> None:
+    """Without zero-code mode: prepare() of an instrument.DataLoader, and wrap() of what
+    prepare() returns (both gave no metrics, or a false worker loss, before)."""
+    accelerate = pytest.importorskip("accelerate")
+    import torch
+
+    import instrument
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from common import Points
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    acc = accelerate.Accelerator(cpu=True)
+    mine = acc.prepare(instrument.DataLoader(Points(32), batch_size=8, num_workers=1,
+                                             name="mine", registry=registry))
+    theirs = instrument.wrap(acc.prepare(torch.utils.data.DataLoader(Points(32), batch_size=8,
+                                                                     num_workers=1)),
+                             name="theirs", registry=registry)
+    assert isinstance(theirs, torch.utils.data.DataLoader)
+    for loader in (mine, theirs):
+        name = "mine" if loader is mine else "theirs"
+        labels = {"loader": name, "rank": "0"}
+        for i, _ in enumerate(loader):
+            if i == 1:  # batches flowing: the worker is seen alive
+                assert registry.get_sample_value(cat.WORKERS_ACTIVE.name, labels) == 1
+        assert registry.get_sample_value(cat.BATCHES.name, labels) == 4
+        assert registry.get_sample_value(cat.EPOCHS.name, labels) == 1
+        assert registry.get_sample_value(cat.WORKERS_LOST.name, labels) == 0
+        assert registry.get_sample_value(cat.WORKER_SAMPLES.name, {**labels, "worker": "0"}) \
+            == 32
+    info = {s.labels["loader"]: s.labels for f in registry.collect() if f.name == cat.INFO.name
+            for s in f.samples}
+    assert info["theirs"]["batch_size"] == "8"
+    assert "mine" not in zerocode.never_iterated() and "theirs" not in zerocode.never_iterated()
+
+
+@pytest.mark.parametrize("mode", ["zero-code", "wrap"])
+def test_lightning_ddp_still_shards_each_rank_to_16_batches_an_epoch(
+        mode: str, request: pytest.FixtureRequest) -> None:
+    run: Run = request.getfixturevalue("lightning_zero_code" if mode == "zero-code"
+                                       else "lightning_wrap")
+    assert_counts_match_the_script(run, 2, "train", 2)
+    for truth in run.truth.values():
+        # 512 samples, batch size 16, 2 ranks: 16, not 32 (Lightning's sampler is in).
+        assert truth["per_epoch"] == [16, 16] and truth["sampler"] == "DistributedSampler"
+    assert_workers_seen_honestly(run, "train")
+    assert "never iterated" not in run.log
+

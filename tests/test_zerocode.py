@@ -1,0 +1,179 @@
+"""Zero-code mode switched on by the environment alone, names without code, no double
+counting, and wrap() that leaves a framework's view of the loader unchanged."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import SleepDataset, value
+from procs import REPO, SCRIPTS, Run, run_script
+from prometheus_client import CollectorRegistry
+from torch.utils.data import DataLoader as TorchDataLoader
+
+import instrument
+from dataloader_exporter.run import autorun_dir
+from exporter import catalogue as cat
+from instrument import zerocode
+
+SETTINGS = ("train.prefetch_factor=3,train.persistent_workers=true,TensorDataset.num_workers=1,"
+            "trian.pin_memory=true")
+
+
+@pytest.fixture(scope="module")
+def env_switch(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """tests/frameworks/plain_torch.py with only environment variables set (no `run`), and
+    a sitecustomize of the user's own further down the path, which must still run."""
+    tmp = tmp_path_factory.mktemp("env-switch")
+    theirs = tmp / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text(
+        "import pathlib\npathlib.Path('their-sitecustomize-ran').touch()\n")
+    path = os.pathsep.join([autorun_dir(), str(SCRIPTS), str(REPO), str(theirs)])
+    return run_script(tmp, [sys.executable, str(SCRIPTS / "plain_torch.py"), str(tmp)],
+                {"PYTHONPATH": path, "DATALOADER_EXPORTER_AUTO": "1",
+                 "DATALOADER_EXPORTER_DIR": str(tmp / "m"),
+                 "DATALOADER_EXPORTER_SETTINGS": SETTINGS})
+
+
+def test_the_environment_switch_alone_instruments_every_loader_once(env_switch: Run) -> None:
+    truth = env_switch.truth[0]
+    names = {lab["loader"] for lab in env_switch.labels(0, cat.BATCHES.name)}
+    assert names == set(truth["batches"])  # nothing else, and nothing counted twice
+    for name, batches in truth["batches"].items():
+        assert env_switch.value(0, cat.BATCHES.name, loader=name) == batches, name
+    assert truth["wrapped_is_a_dataloader"]
+
+
+def test_a_framework_probe_that_fetches_nothing_is_not_an_epoch(env_switch: Run) -> None:
+    assert env_switch.value(0, cat.EPOCHS.name, loader="train") == 2
+
+
+def test_settings_from_the_environment_are_applied_logged_and_in_dataloader_info(
+        env_switch: Run) -> None:
+    truth = env_switch.truth[0]
+    assert truth["train"] == {"num_workers": 1, "prefetch_factor": 3, "persistent_workers": True}
+    assert truth["plain_workers"] == 1
+    info = {lab["loader"]: lab for lab in env_switch.labels(0, cat.INFO.name)}
+    assert info["train"]["prefetch_factor"] == "3"
+    assert info["train"]["persistent_workers"] == "true"
+    assert info["TensorDataset"]["num_workers"] == "1"
+    assert "dataloader 'train': prefetch_factor=3 from DATALOADER_EXPORTER_SETTINGS (was None)" \
+        in env_switch.log
+    assert env_switch.log.count("persistent_workers=True from") == 1  # once, not per epoch
+    assert "names loader 'trian', but no loader of that name was built" in env_switch.log
+
+
+def test_a_loader_built_but_never_iterated_is_reported_once_at_exit(env_switch: Run) -> None:
+    assert env_switch.log.count("dataloader 'lonely' was built but never iterated") == 1
+    assert "dataloader-exporter run" in env_switch.log
+    assert "'mine' was built but never" not in env_switch.log
+
+
+def test_a_users_own_sitecustomize_still_runs(env_switch: Run) -> None:
+    assert (env_switch.files[0].parent.parent / "their-sitecustomize-ran").exists()
+
+
+def test_a_process_that_never_imports_torch_never_loads_it(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([autorun_dir(), str(REPO)]),
+           "DATALOADER_EXPORTER_AUTO": "1"}
+    code = "import sys; print(sorted({'torch', 'instrument', 'numpy'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+@pytest.mark.parametrize("via", ["run", "env"])
+def test_a_bad_settings_line_stops_the_program_before_it_starts(tmp_path: Path, via: str) -> None:
+    bad = "train.num_workers=-1,*.nm_workers=2"
+    script = tmp_path / "started"
+    command = [sys.executable, "-c", f"open({str(script)!r}, 'w')"]
+    if via == "run":
+        argv = [sys.executable, "-m", "dataloader_exporter", "run", "--settings", bad, "--",
+                *command]
+        env = dict(os.environ)
+    else:
+        argv = command
+        env = {**os.environ, "DATALOADER_EXPORTER_AUTO": "1", "DATALOADER_EXPORTER_SETTINGS": bad,
+               "PYTHONPATH": os.pathsep.join([autorun_dir(), str(REPO)])}
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 2
+    assert "'train.num_workers=-1': num_workers must be 0 or more" in out.stderr
+    assert "unknown setting 'nm_workers'" in out.stderr
+    assert not script.exists()
+
+
+# --- in this process: wrap() ---------------------------------------------------------
+def test_wrap_keeps_a_torch_loader_a_torch_loader(registry: CollectorRegistry) -> None:
+    inner = TorchDataLoader(SleepDataset(4), batch_size=2)
+    assert instrument.wrap(inner, name="t", registry=registry) is inner
+    mine = instrument.DataLoader(SleepDataset(4), batch_size=2, name="m", registry=registry)
+    assert instrument.wrap(mine, name="again", registry=registry) is mine
+    for _ in mine:
+        pass
+    assert value(registry, cat.BATCHES.name, loader="m", rank="0") == 2
+    assert value(registry, cat.BATCHES.name, loader="again", rank="0") is None
+
+
+def test_an_iter_that_fetches_no_batch_is_not_an_epoch(registry: CollectorRegistry) -> None:
+    loader = instrument.wrap(TorchDataLoader(SleepDataset(4), batch_size=2), name="t",
+                             registry=registry)
+    iter(loader)
+    iter(loader)
+    assert not value(registry, cat.EPOCHS.name, loader="t", rank="0")
+    assert sum(1 for _ in loader) == 2
+    assert value(registry, cat.EPOCHS.name, loader="t", rank="0") == 1
+
+
+def test_a_wrapped_loader_with_workers_gets_per_worker_series(
+        registry: CollectorRegistry) -> None:
+    loader = instrument.wrap(TorchDataLoader(SleepDataset(4), batch_size=2, num_workers=1),
+                             name="t", registry=registry)
+    assert sum(1 for _ in loader) == 2
+    assert value(registry, cat.WORKER_SAMPLES.name, loader="t", rank="0", worker="0") == 4
+    assert value(registry, cat.WORKERS_LOST.name, loader="t", rank="0") == 0
+
+
+def test_workers_that_cannot_be_seen_are_not_reported_as_none_active(
+        registry: CollectorRegistry) -> None:
+    batches = instrument.wrap((torch.ones(2) for _ in range(3)), name="g", registry=registry)
+    assert sum(1 for _ in batches) == 3
+    assert value(registry, cat.BATCHES.name, loader="g", rank="0") == 3
+    assert value(registry, cat.WORKERS_ACTIVE.name, loader="g", rank="0") is None
+
+
+def test_zero_workers_are_known_to_be_zero(registry: CollectorRegistry) -> None:
+    loader = instrument.DataLoader(SleepDataset(2), batch_size=2, name="z", registry=registry)
+    assert sum(1 for _ in loader) == 1
+    assert value(registry, cat.WORKERS_ACTIVE.name, loader="z", rank="0") == 0
+
+
+def test_names_come_from_the_framework_method_on_the_stack() -> None:
+    def train_dataloader() -> str | None:
+        return zerocode.role_from_stack()
+
+    def get_eval_dataloader() -> str | None:
+        return zerocode.role_from_stack()
+
+    assert train_dataloader() == "train"
+    assert get_eval_dataloader() == "eval"
+    assert zerocode.role_from_stack() is None
+
+
+def test_run_prints_the_environment_for_an_image_and_needs_a_command(tmp_path: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "dataloader_exporter", "run", *args],
+                              capture_output=True, text=True, timeout=60, cwd=REPO)
+
+    printed = cli("--metrics-dir", str(tmp_path), "--print-env")
+    assert printed.returncode == 0
+    lines = printed.stdout.splitlines()
+    assert f"PYTHONPATH={autorun_dir()}" in lines[0]
+    assert "DATALOADER_EXPORTER_AUTO=1" in lines
+    assert f"DATALOADER_EXPORTER_DIR={tmp_path}" in lines
+    missing = cli("--metrics-dir", str(tmp_path))
+    assert missing.returncode == 2 and "no command given" in missing.stderr
