@@ -10,9 +10,8 @@ from collections.abc import Callable
 
 from diagnosis import promsource
 from diagnosis.machine import local_machine
-from diagnosis.report import Report
+from diagnosis.report import Report, env_line
 from diagnosis.report import build_report as report_of
-from diagnosis.report import env_line
 from diagnosis.signals import Scrape, Window, loaders
 
 EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_UNREADABLE = 0, 1, 2

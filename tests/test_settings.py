@@ -63,7 +63,8 @@ def test_settings_apply_to_an_instrumented_loader_when_it_is_built(
             loader.persistent_workers) == (1, 3, False, True)
     assert sum(1 for _ in loader) == 2
     labels = {"loader": "t", "rank": "0", "num_workers": "1", "batch_size": "2",
-              "prefetch_factor": "3", "pin_memory": "false", "persistent_workers": "true"}
+              "prefetch_factor": "3", "pin_memory": "false", "persistent_workers": "true",
+              "gpu_uuid": ""}
     assert registry.get_sample_value(cat.INFO.name, labels) == 1
     said = caplog.text
     assert "dataloader 't': num_workers=1 from DATALOADER_EXPORTER_SETTINGS (was 0)" in said
