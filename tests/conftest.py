@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from procs import REPO, Prometheus
@@ -27,6 +29,18 @@ def require_binary(name: str) -> str:
             pytest.fail(msg)
         pytest.skip(msg)
     return path
+
+
+def require_module(name: str) -> Any:
+    """A framework the test runs: skipped locally when missing, a failure in CI (`make test`
+    installs the `frameworks` extra)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        msg = f"{name} not installed (the `frameworks` extra; `make test` installs it)"
+        if IN_CI:
+            pytest.fail(msg)
+        pytest.skip(msg)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import require_module
 from procs import REPO, SCRIPTS, Run, run_script
 from prometheus_client import CollectorRegistry
 
@@ -25,7 +26,7 @@ def zero_code(tmp: Path, *command: str) -> Run:
 
 @pytest.fixture(scope="module")
 def accelerate_torchrun(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    pytest.importorskip("accelerate")
+    require_module("accelerate")
     tmp = tmp_path_factory.mktemp("accelerate")
     return zero_code(tmp, sys.executable, "-m", "torch.distributed.run", "--standalone",
                      "--nproc_per_node=2", str(SCRIPTS / "accelerate_train.py"), str(tmp))
@@ -33,21 +34,21 @@ def accelerate_torchrun(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 @pytest.fixture(scope="module")
 def hf_trainer(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    pytest.importorskip("transformers")
+    require_module("transformers")
     tmp = tmp_path_factory.mktemp("hf")
     return zero_code(tmp, sys.executable, str(SCRIPTS / "hf_trainer.py"), str(tmp))
 
 
 @pytest.fixture(scope="module")
 def lightning_zero_code(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    pytest.importorskip("lightning")
+    require_module("lightning")
     tmp = tmp_path_factory.mktemp("lightning-zero-code")
     return zero_code(tmp, sys.executable, str(SCRIPTS / "lightning_ddp.py"), str(tmp), "plain")
 
 
 @pytest.fixture(scope="module")
 def lightning_wrap(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    pytest.importorskip("lightning")
+    require_module("lightning")
     tmp = tmp_path_factory.mktemp("lightning-wrap")
     return run_script(tmp, [sys.executable, str(SCRIPTS / "lightning_ddp.py"), str(tmp), "wrap"],
                 {"PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO)]),
@@ -111,7 +112,7 @@ def test_accelerate_copies_of_instrumented_and_wrapped_loaders_are_measured(
         registry: CollectorRegistry) -> None:
     """Without zero-code mode: prepare() of an instrument.DataLoader, and wrap() of what
     prepare() returns (both gave no metrics, or a false worker loss, before)."""
-    accelerate = pytest.importorskip("accelerate")
+    accelerate = require_module("accelerate")
     import torch
 
     import instrument

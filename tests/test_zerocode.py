@@ -87,6 +87,20 @@ def test_a_process_that_never_imports_torch_never_loads_it(tmp_path: Path) -> No
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
 
+def test_a_lookup_of_torch_before_its_import_does_not_switch_the_hook_off(
+        tmp_path: Path) -> None:
+    """transformers asks importlib.util.find_spec("torch") when it is imported; scripts
+    import it before torch. The hook must still be installed when torch is imported."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([autorun_dir(), str(REPO)]),
+           "DATALOADER_EXPORTER_AUTO": "1"}
+    code = ("import importlib.util; importlib.util.find_spec('torch'); import torch; "
+            "from instrument import zerocode; "
+            "print(torch.utils.data.DataLoader.__iter__ is zerocode._hooked_iter)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+
+
 @pytest.mark.parametrize("via", ["run", "env"])
 def test_a_bad_settings_line_stops_the_program_before_it_starts(tmp_path: Path, via: str) -> None:
     bad = "train.num_workers=-1,*.nm_workers=2"

@@ -67,6 +67,8 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self._inner.exec_module(module)
+        for finder in [f for f in sys.meta_path if isinstance(f, _WhenTorchImported)]:
+            sys.meta_path.remove(finder)  # torch has run: nothing more to watch for
         _torch_ready()
 
     def __getattr__(self, name: str) -> Any:
@@ -74,12 +76,21 @@ class _Loader(importlib.abc.Loader):
 
 
 class _WhenTorchImported(importlib.abc.MetaPathFinder):
+    """Watches for torch's import. It stays on sys.meta_path until torch's module has
+    run: a mere lookup (importlib.util.find_spec("torch"), as transformers does at import
+    to see whether torch is there) must not use it up."""
+
+    def __init__(self) -> None:
+        self._looking = False
+
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "torch":
+        if name != "torch" or self._looking:
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)  # once, and not for our own lookup below
-        spec = importlib.util.find_spec(name)
+        self._looking = True  # our own lookup below goes to the other finders
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._looking = False
         if spec is not None and spec.loader is not None:
             spec.loader = _Loader(spec.loader)
         return spec
