@@ -120,8 +120,10 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1,
     if job and job.stragglers:
         if s.rank not in job.straggler_ranks:
             d.findings.append(_waits(job, s.rank, times))
-            return d  # its loader is not what holds the job back: no advice for it
-        d.findings.append(_straggler(job, s.rank))
+            if d.verdict != "input-bound":
+                return d  # it mostly waits for the straggler: no advice for its own loader
+        else:
+            d.findings.append(_straggler(job, s.rank))
     _recommend(d, s, machine, local_ranks)
     return d
 
@@ -149,9 +151,18 @@ def _waits(job: Job, rank: str, times: RankTimes | None) -> Finding:
             "the fastest rank's)" if wait is not None and step else "its step includes "
             f"waiting for {them} in the collective")
     who = ", ".join(job.straggler_ranks)
+    if rank_stall_points(times) >= points(INPUT_BOUND):  # starving too: its advice follows
+        return Finding("waits-for-straggler", (
+            f"waits for rank{'s' if len(job.stragglers) > 1 else ''} {who}: {part}; its own "
+            "input is slow too (see its settings)"))
     return Finding("waits-for-straggler", (
         f"waits for rank{'s' if len(job.stragglers) > 1 else ''} {who}: {part}; fix "
         f"rank {who}'s input, not this rank's loader"))
+
+
+def rank_stall_points(times: RankTimes | None) -> int:
+    """A rank's own stall share in whole percent (0 without batches)."""
+    return points(times.fetch / times.period) if times and times.period > 0 else 0
 
 
 def _findings(d: Diagnosis, s: LoaderSignals, machine: Machine, local_ranks: int) -> None:

@@ -80,8 +80,14 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_UNREADABLE
     if args.format == "json":
         print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
-    elif args.format == "env":
-        print(env_line(report))
+    elif args.format == "env":  # a setting to apply, not a verdict: 0 once it is printed
+        line, skipped = env_line(report)
+        for name in skipped:
+            print(f"dataloader-exporter doctor: loader {name!r} left out: its name cannot be "
+                  "written in DATALOADER_EXPORTER_SETTINGS (letters, digits, _ . : -)",
+                  file=sys.stderr)
+        print(line)
+        return EXIT_HEALTHY
     else:
         print(report.text(), end="")
     return EXIT_HEALTHY if report.healthy else EXIT_PROBLEMS

@@ -111,7 +111,7 @@ def job(loader: str, signals: list[LoaderSignals]) -> Job:
     if len(times) >= 2 and period > 0:
         for t in sorted(times, key=lambda t: _rank_key(t.rank)):
             excess = (t.fetch - median) / period
-            if points(excess) >= points(STRAGGLER):
+            if excess >= STRAGGLER:  # as the rule and the alert compare it
                 j.stragglers.append(Straggler(t.rank, t.fetch, excess))
         j.waiting = {t.rank: t.step - fastest for t in times}
     return j

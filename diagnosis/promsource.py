@@ -53,7 +53,7 @@ def window(base: str, range_seconds: float, match: str = "", timeout: float = 10
     """Increases over the last `range_seconds` and latest values, summed by catalogue labels."""
     rng = f"{int(range_seconds)}s"
     sel = match.strip().strip("{}")
-    _one_job(base, sel, timeout)
+    _one_job(base, sel, rng, timeout)
     increase: Series = {}
     latest: Series = {}
     change: Series = {}
@@ -66,8 +66,9 @@ def window(base: str, range_seconds: float, match: str = "", timeout: float = 10
     for metric in _LATEST:
         for name, labels in _parts(metric):
             agg = "max" if metric.type == cat.GAUGE else "sum"
-            expr = f"{agg} by ({', '.join(labels)}) ({name}{{{sel}}})" if labels else (
-                f"{agg}({name}{{{sel}}})")
+            # The last value in the range: a run that ended inside it keeps its figures.
+            last = f"last_over_time({name}{{{sel}}}[{rng}])"
+            expr = f"{agg} by ({', '.join(labels)}) ({last})" if labels else f"{agg}({last})"
             for lab, v in _query(base, expr, timeout):
                 latest[(name, lab)] = v
     for lab, v in _query(base, f"sum(delta({cat.HOST_SWAP_USED.name}{{{sel}}}[{rng}]))",
@@ -75,12 +76,19 @@ def window(base: str, range_seconds: float, match: str = "", timeout: float = 10
         change[(cat.HOST_SWAP_USED.name, lab)] = v
     seconds = _span(base, sel, rng, timeout)
     return Window(min(range_seconds, seconds) if seconds else range_seconds, increase, latest,
-                  change, _local_ranks(base, sel, timeout))
+                  change, local_ranks_of(_query(
+                      base, f"count by (instance, rank) ({_batches(sel, rng)})", timeout)))
 
 
-def _one_job(base: str, sel: str, timeout: float) -> None:
-    """Refuses a selection that spans several jobs: their ranks would be summed together."""
-    found = _query(base, f"count by (namespace, job) ({cat.BATCHES.name}{{{sel}}})", timeout)
+def _batches(sel: str, rng: str) -> str:
+    """Every loader's batch counter seen in the range, ended runs included."""
+    return f"last_over_time({cat.BATCHES.name}{{{sel}}}[{rng}])"
+
+
+def _one_job(base: str, sel: str, rng: str, timeout: float) -> None:
+    """Refuses a selection that spans several jobs (in the range, ended ones included):
+    their ranks would be summed together."""
+    found = _query(base, f"count by (namespace, job) ({_batches(sel, rng)})", timeout)
     if len(found) > 1:
         names = sorted(", ".join(f"{k}={v}" for k, v in labels) for labels, _ in found)
         raise ValueError(f"{len(found)} jobs match ({'; '.join(names)}): pick one with "
@@ -107,11 +115,11 @@ def _span(base: str, sel: str, rng: str, timeout: float) -> float | None:
     return last - first + sum(steps) / len(steps)
 
 
-def _local_ranks(base: str, sel: str, timeout: float) -> dict[str, int]:
-    """rank -> how many ranks its exporter instance (machine or pod) reports."""
+def local_ranks_of(rows: list[tuple[Labels, float]]) -> dict[str, int]:
+    """rank -> how many ranks its exporter instance (machine or pod) reports, from the
+    rows of count by (instance, rank)."""
     instance_of: dict[str, set[str]] = {}
-    for labels, _ in _query(base, f"count by (instance, rank) ({cat.BATCHES.name}{{{sel}}})",
-                            timeout):
+    for labels, _ in rows:
         d = dict(labels)
         instance_of.setdefault(d.get("instance", ""), set()).add(d.get("rank", ""))
     out: dict[str, int] = {}

@@ -9,7 +9,7 @@ from diagnosis.doctor import VERDICTS, Diagnosis, diagnose, gib, ms, pct, verdic
 from diagnosis.jobs import Job, jobs
 from diagnosis.machine import Machine
 from diagnosis.signals import LoaderSignals
-from exporter.loadersettings import ENV_SETTINGS, SETTINGS, format_settings
+from exporter.loadersettings import ENV_SETTINGS, SETTINGS, SettingsError, format_settings
 
 
 @dataclass
@@ -97,19 +97,30 @@ def build_report(source: str, machine: Machine, signals: list[LoaderSignals],
                    for s in signals], views)
 
 
-def env_line(report: Report) -> str:
+def env_line(report: Report) -> tuple[str, list[str]]:
     """The settings advice as one line of DATALOADER_EXPORTER_SETTINGS, ready for a
-    ConfigMap: loader settings only (not --shm-size or non_blocking, which are not the
-    loader's), and only changes. The ranks of a loader share one line: the most workers
-    and the deepest queue any rank was advised, and a flag any rank was advised to set."""
-    advice: dict[str, dict[str, int | bool]] = {}
+    ConfigMap, and the loaders left out (a name the line cannot carry). Loader settings
+    only (not --shm-size or non_blocking, which are not the loader's), and only changes.
+    The ranks of a loader share one line: the most workers any rank was advised, a flag
+    any rank was advised to set, and the deepest queue, or the shallowest when a rank was
+    told to shrink it (shared memory comes first)."""
+    advice: dict[str, dict[str, list[int | bool]]] = {}
+    lower: set[tuple[str, str]] = set()
     for d in report.diagnoses:
         for r in d.recommendations:
             if r.setting not in SETTINGS or r.value == r.current:
                 continue
             kind, _ = SETTINGS[r.setting]
             value: int | bool = r.value.lower() == "true" if kind is bool else int(r.value)
-            mine = advice.setdefault(d.loader, {})
-            mine[r.setting] = max(mine.get(r.setting, value), value)
-    items = [format_settings(loader, s) for loader, s in sorted(advice.items()) if s]
-    return f"{ENV_SETTINGS}={','.join(items)}"
+            advice.setdefault(d.loader, {}).setdefault(r.setting, []).append(value)
+            if kind is int and r.current.isdigit() and value < int(r.current):
+                lower.add((d.loader, r.setting))
+    items, skipped = [], []
+    for loader, settings in sorted(advice.items()):
+        chosen = {name: (min(values) if (loader, name) in lower else max(values))
+                  for name, values in settings.items()}
+        try:
+            items.append(format_settings(loader, chosen))
+        except SettingsError:
+            skipped.append(loader)
+    return f"{ENV_SETTINGS}={','.join(items)}", skipped

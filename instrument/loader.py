@@ -55,6 +55,7 @@ class _Instruments:
         self.port = port
         self.explicit = explicit
         self.iterated = False
+        self.gpu_checked = False  # to_device onto CUDA has looked up the GPU's UUID
         self.hub: Hub = hub_for(registry)
         self.preflight = Preflight(name)
         self.config = LoaderConfig(None, None, None, None, None)
@@ -158,7 +159,8 @@ class _Instruments:
         if dev.type == "cuda":
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
-            if not rec.gpu_uuid:  # once: which GPU this rank feeds, for dataloader_info
+            if not self.gpu_checked:  # once: which GPU this rank feeds, for dataloader_info
+                self.gpu_checked = True
                 self.note_gpu(gpu_uuid(dev))
             self.preflight.on_cuda_transfer(self.config)
             stream = torch.cuda.current_stream(dev)

@@ -109,6 +109,10 @@ def test_the_slow_rank_is_named_and_the_balanced_job_has_no_straggler(
     assert [f["kind"] for f in ranks["0"]["findings"]] == ["waits-for-straggler"]
     assert ranks["0"]["recommendations"] == []  # it only waits: no advice for its loader
     assert "input-straggler" in [f["kind"] for f in ranks["1"]["findings"]]
+    # The straggler's settings were known and it gets the advice (not silence for lack
+    # of data: every figure came through Prometheus).
+    assert ranks["1"]["recommendations"] and not ranks["1"]["unknowns"]
+    assert ranks["1"]["figures"]["workers_configured"] == 1
     wait = ranks["0"]["figures"]["waiting_for_other_ranks_seconds_per_batch"]
     truth = runs[SLOW].truth
     blocked_gap = (truth["1"]["blocked"] - truth["0"]["blocked"]) / truth["1"]["batches"]

@@ -29,7 +29,8 @@ def machine() -> Machine:
 
 def test_the_env_line_holds_only_loader_settings_that_change_and_parses() -> None:
     report = build_report("test", machine(), [starved("0", 0), starved("0", 2, "val")], 1)
-    line = env_line(report)
+    line, skipped = env_line(report)
+    assert skipped == []
     name, _, value = line.partition("=")
     assert name == ENV_SETTINGS
     settings = parse(value)  # what the doctor prints is always a valid line
@@ -41,7 +42,7 @@ def test_the_env_line_holds_only_loader_settings_that_change_and_parses() -> Non
 
 def test_ranks_of_one_loader_share_one_line() -> None:
     report = build_report("test", machine(), [starved("0", 1), starved("1", 3)], 1)
-    value = env_line(report).partition("=")[2]
+    value = env_line(report)[0].partition("=")[2]
     assert value.count("train.num_workers=") == 1
 
 
@@ -52,14 +53,32 @@ def test_nothing_to_change_is_an_empty_line() -> None:
                       "persistent_workers": "true", "pin_memory": "false"}
     report = build_report("test", Machine(3, None, 1 << 30, 1 << 30, 1 << 30, "nvme", "/"),
                           [healthy], 1)
-    assert env_line(report) == f"{ENV_SETTINGS}="
+    assert env_line(report) == (f"{ENV_SETTINGS}=", [])
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_a_loader_built_with_the_doctors_line_takes_its_settings(
         monkeypatch: pytest.MonkeyPatch, registry: CollectorRegistry) -> None:
-    value = env_line(build_report("test", machine(), [starved("0", 0)], 1)).partition("=")[2]
+    value = env_line(build_report("test", machine(), [starved("0", 0)], 1))[0].partition("=")[2]
     monkeypatch.setenv(ENV_SETTINGS, value)
     loader = instrument.DataLoader(SleepDataset(4), batch_size=2, name="train",
                                    registry=registry)
     assert loader.num_workers == 7 and loader.persistent_workers is True
+
+
+def test_a_loader_name_the_line_cannot_carry_is_left_out_not_a_crash() -> None:
+    report = build_report("test", machine(), [starved("0", 0, "train/images"),
+                                              starved("0", 0)], 1)
+    line, skipped = env_line(report)
+    assert skipped == ["train/images"] and "train.num_workers=7" in line
+
+
+def test_a_rank_told_to_shrink_its_queue_wins_over_one_told_to_deepen_it() -> None:
+    deep, shallow = starved("0", 2), starved("1", 2)
+    shallow.shm_size = 1 << 20  # 4 KiB batches x 2 x 7 workers x 1.5 do not fit: halve it
+    shallow.batch_bytes = 1 << 18
+    report = build_report("test", machine(), [deep, shallow], 1)
+    advised = {d.rank: {r.setting: r.value for r in d.recommendations}
+               for d in report.diagnoses}
+    assert advised["0"]["prefetch_factor"] == "4" and advised["1"]["prefetch_factor"] == "1"
+    assert "train.prefetch_factor=1" in env_line(report)[0]

@@ -143,3 +143,31 @@ def test_missing_figures_give_no_advice_and_the_report_says_which_rank_and_why()
     assert any("worker busy time unknown" in u for u in d1.unknowns)
     text = report.text()
     assert "loader train, rank 0: INPUT-BOUND" in text and "  ? no settings advice" in text
+
+
+def test_the_straggler_threshold_is_the_alerts_not_the_rounded_percent() -> None:
+    # Two ranks: the median is their mean. 9.5 ms against 0 over a 100 ms period is 4.75%
+    # above the median, printed "5%" but under the alert's 0.05: neither names it.
+    j = job("train", [rank("0", 0.0, 100.0), rank("1", 9.5, 90.5)])
+    assert j.stragglers == [] and round(100 * (0.0095 - 0.00475) / 0.1) == 5
+    j = job("train", [rank("0", 0.0, 100.0), rank("1", 12.0, 88.0)])
+    assert j.straggler_ranks == ["1"]
+
+
+def test_a_rank_that_starves_itself_still_gets_advice_beside_a_straggler() -> None:
+    ranks = [rank("0", 50, 50), rank("1", 50, 50), rank("2", 50, 50), rank("3", 62, 38)]
+    report = build_report("test", machine(), ranks, 4)
+    assert job("train", ranks).straggler_ranks == ["3"]
+    d0 = report.diagnoses[0]
+    assert d0.verdict == "input-bound" and d0.recommendations != []
+    assert "its own input is slow too" in d0.findings[0].message
+
+
+def test_local_ranks_are_counted_per_exporter_instance_not_over_the_world() -> None:
+    from diagnosis.promsource import local_ranks_of
+
+    rows = [((("instance", f"node-{r // 8}:9478"), ("rank", str(r))), 1.0) for r in range(16)]
+    rows += [((("instance", "node-2:9478"), ("rank", "16")), 1.0)]
+    local = local_ranks_of(rows)
+    assert len(local) == 17
+    assert local["0"] == local["15"] == 8 and local["16"] == 1
