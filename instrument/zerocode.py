@@ -118,6 +118,7 @@ class _Table:
 
 _loaders = _Table()  # loader -> loader._Instruments
 _datasets = _Table()  # dataset -> Naming
+_own = _Table()  # plain loaders the user built over an adopted dataset (not copies)
 _auto = False
 _lock = threading.Lock()
 
@@ -161,7 +162,7 @@ def _hooked_iter(self: Any) -> Any:
             naming = _datasets.get(dataset) if dataset is not None else None
             if _auto:  # built before the hook was installed
                 naming = naming or Naming(_class_name(dataset))
-            elif naming is None or not built_by_framework():
+            elif naming is None or _own.get(self) or not built_by_framework():
                 # Not a copy of an adopted loader that a framework iterates (Lightning
                 # puts torch's own __init__ back after its hooks, hiding the copy it builds).
                 return TORCH_ITER(self)
@@ -188,6 +189,8 @@ def _hooked_init(self: Any, *args: Any, **kwargs: Any) -> None:
                 _instruments(self, naming)
             except Exception:
                 log.warning("dataloader-exporter: cannot instrument %r", self, exc_info=True)
+        elif naming is not None:  # the user's own plain loader over that dataset: not a copy
+            _own.put(self, True)
         return
     naming = _naming_for(dataset)
     args, kwargs = apply_settings(naming.name, args, kwargs)  # may raise SettingsError

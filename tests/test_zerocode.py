@@ -191,3 +191,18 @@ def test_run_prints_the_environment_for_an_image_and_needs_a_command(tmp_path: P
     assert f"DATALOADER_EXPORTER_DIR={tmp_path}" in lines
     missing = cli("--metrics-dir", str(tmp_path))
     assert missing.returncode == 2 and "no command given" in missing.stderr
+
+
+def test_a_users_own_plain_loader_over_the_same_dataset_is_not_counted_as_a_copy(
+        registry: CollectorRegistry) -> None:
+    """A framework's loop iterating the user's own plain loader over the dataset of an
+    instrumented one (say a validation loader over the training set): not a copy of it."""
+    import types
+
+    ds = SleepDataset(32)
+    train = instrument.DataLoader(ds, batch_size=4, name="own-train", registry=registry)
+    plain = TorchDataLoader(ds, batch_size=8)
+    loop = types.ModuleType("lightning.fake_loop")  # code of a framework, as on the stack
+    exec("def run(loader):\n    return sum(1 for _ in loader)\n", loop.__dict__)
+    assert loop.run(train) == 8 and loop.run(plain) == 4
+    assert value(registry, cat.BATCHES.name, loader="own-train", rank="0") == 8
