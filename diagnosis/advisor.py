@@ -18,6 +18,7 @@ from exporter.facts.cores import cpu_affinity, cpu_quota, physical_cores
 # Workers past which more stop helping, by where samples come from: local disks saturate
 # early; network storage mostly waits, so more overlap more reads than there are cores.
 STORAGE_WORKERS = {"ssd": 4, "rotational": 4, "nvme": 12, "network": 16}
+NETWORK_PER_CORE = 4  # workers per core a rank may run when they mostly wait on the network
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,9 @@ def worker_cores(cpu: Cpu, local_ranks: int, cuda: bool) -> int:
 
 def worker_cap(cpu: Cpu, local_ranks: int, cuda: bool, storage: str = "unknown") -> int:
     """The most workers worth running per rank."""
-    if storage == "network":
-        return STORAGE_WORKERS["network"]  # I/O-bound workers mostly wait: cores matter less
     cores = worker_cores(cpu, local_ranks, cuda)
+    if storage == "network":  # I/O-bound workers mostly wait: a few per core, not one
+        return min(STORAGE_WORKERS["network"], NETWORK_PER_CORE * cores)
     return min(cores, STORAGE_WORKERS.get(storage, cores))
 
 

@@ -163,3 +163,8 @@ def test_shm_size_advice_rounds_up_to_whole_gibibytes_with_headroom() -> None:
     assert shm_size_advice(10 * MiB) == "1g"
     assert shm_size_advice(1024 * MiB) == "2g"
     assert shm_size_advice(7 * 1024 * MiB) == "9g"
+
+
+def test_network_storage_gets_more_workers_than_cores_but_a_few_per_core_at_most() -> None:
+    assert advisor.advised_workers(0, True, PINNED, 1, cuda=True, storage="network") == 16
+    assert advisor.advised_workers(0, True, QUOTA, 8, cuda=True, storage="network") == 4
