@@ -91,16 +91,21 @@ def _per_rank(expr: str) -> str:
     return f"sum by ({RANK_KEYS}) ({expr})"
 
 
+def _per_batch(seconds: str, matchers: str, window: str) -> str:
+    """Each rank's seconds per batch of a time series (ranks without batches drop out)."""
+    batches = _per_rank(rate(sel(cat.BATCHES, matchers), window))
+    return f"({_per_rank(seconds)} / ({batches} > 0))"
+
+
 def rank_fetch_per_batch(matchers: str, window: str) -> str:
-    """Each rank's fetch wait per batch, seconds (ranks without batches drop out)."""
-    fetch = _per_rank(rate(sel(cat.TIME, matchers, "_sum", phase=cat.PHASE_FETCH), window))
-    return f"({fetch} / ({_per_rank(rate(sel(cat.BATCHES, matchers), window))} > 0))"
+    """Each rank's fetch wait per batch, seconds."""
+    fetch = rate(sel(cat.TIME, matchers, "_sum", phase=cat.PHASE_FETCH), window)
+    return _per_batch(fetch, matchers, window)
 
 
 def rank_step_per_batch(matchers: str, window: str) -> str:
     """Each rank's step per batch, seconds: compute, and any wait for other ranks."""
-    step = _per_rank(rate(sel(cat.STEP, matchers, "_sum"), window))
-    return f"({step} / ({_per_rank(rate(sel(cat.BATCHES, matchers), window))} > 0))"
+    return _per_batch(rate(sel(cat.STEP, matchers, "_sum"), window), matchers, window)
 
 
 def job_batch_period(matchers: str, window: str) -> str:

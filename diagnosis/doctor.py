@@ -116,15 +116,17 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1,
         "fetch_per_batch_seconds": times.fetch if times else None,
         "step_per_batch_seconds": times.step if times else None,
         "waiting_for_other_ranks_seconds_per_batch": waiting})
-    _findings(d, s, machine, local_ranks)
+    cfg = _config(s)
+    _findings(d, s, cfg, machine, local_ranks)
     if job and job.stragglers:
         if s.rank not in job.straggler_ranks:
-            d.findings.append(_waits(job, s.rank, times))
-            if d.verdict != "input-bound":
+            starving = d.verdict == "input-bound"
+            d.findings.append(_waits(job, s.rank, times, starving))
+            if not starving:
                 return d  # it mostly waits for the straggler: no advice for its own loader
         else:
             d.findings.append(_straggler(job, s.rank))
-    _recommend(d, s, machine, local_ranks)
+    _recommend(d, s, cfg, machine, local_ranks)
     return d
 
 
@@ -142,7 +144,7 @@ def _straggler(job: Job, rank: str) -> Finding:
         "cores and /dev/shm are what to fix"))
 
 
-def _waits(job: Job, rank: str, times: RankTimes | None) -> Finding:
+def _waits(job: Job, rank: str, times: RankTimes | None, starving: bool) -> Finding:
     wait = job.waiting.get(rank)
     step = times.step if times else None
     them = "them" if len(job.stragglers) > 1 else "it"
@@ -151,7 +153,7 @@ def _waits(job: Job, rank: str, times: RankTimes | None) -> Finding:
             "the fastest rank's)" if wait is not None and step else "its step includes "
             f"waiting for {them} in the collective")
     who = ", ".join(job.straggler_ranks)
-    if rank_stall_points(times) >= points(INPUT_BOUND):  # starving too: its advice follows
+    if starving:  # input-bound itself too: its own advice follows
         return Finding("waits-for-straggler", (
             f"waits for rank{'s' if len(job.stragglers) > 1 else ''} {who}: {part}; its own "
             "input is slow too (see its settings)"))
@@ -160,12 +162,13 @@ def _waits(job: Job, rank: str, times: RankTimes | None) -> Finding:
         f"rank {who}'s input, not this rank's loader"))
 
 
-def rank_stall_points(times: RankTimes | None) -> int:
-    """A rank's own stall share in whole percent (0 without batches)."""
-    return points(times.fetch / times.period) if times and times.period > 0 else 0
+def _shm_total(s: LoaderSignals, machine: Machine) -> float | None:
+    """/dev/shm's size as the exporter saw it, else as this machine has it."""
+    return s.shm_size if s.shm_size is not None else machine.shm_size
 
 
-def _findings(d: Diagnosis, s: LoaderSignals, machine: Machine, local_ranks: int) -> None:
+def _findings(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
+              local_ranks: int) -> None:
     if (s.first_batch_mean is not None and s.first_batch_mean >= FIRST_BATCH_MIN and
             s.first_batch_mean > FIRST_BATCH_FACTOR * (s.median_wait or 0.0)):
         ratio = s.first_batch_mean / s.median_wait if s.median_wait else math.inf
@@ -178,10 +181,9 @@ def _findings(d: Diagnosis, s: LoaderSignals, machine: Machine, local_ranks: int
         d.findings.append(Finding("lost-workers", (
             f"lost workers: {s.workers_lost:.0f} died while the loader needed them{alive} "
             "(out of memory? check dmesg for the OOM killer and /dev/shm)")))
-    cfg = _config(s)
     if s.batch_bytes and cfg.workers:
         in_flight = shm_in_flight(s.batch_bytes, cfg.prefetch, cfg.workers, local_ranks)
-        shm_total = s.shm_size if s.shm_size is not None else machine.shm_size
+        shm_total = _shm_total(s, machine)
         if shm_total is not None and in_flight > shm_total:
             d.findings.append(Finding("shm-risk", (
                 f"/dev/shm risk: batches in flight need {gib(in_flight)} "
@@ -218,8 +220,8 @@ def _config(s: LoaderSignals) -> _Config:
                    _flag(cfg.get("persistent_workers")), _flag(cfg.get("pin_memory")))
 
 
-def _recommend(d: Diagnosis, s: LoaderSignals, machine: Machine, local_ranks: int) -> None:
-    cfg = _config(s)
+def _recommend(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
+               local_ranks: int) -> None:
     stall = s.stall_share
     starved = d.verdict in ("input-bound", "moderately input-bound")
     cuda = s.gpu_utilization is not None
@@ -277,7 +279,7 @@ def _recommend(d: Diagnosis, s: LoaderSignals, machine: Machine, local_ranks: in
         rec.append(Recommendation("non_blocking", "True", "", (
             "with pinned memory, to_device(..., non_blocking=True) lets the copy overlap the "
             "previous step")))
-    shm_total = s.shm_size if s.shm_size is not None else machine.shm_size
+    shm_total = _shm_total(s, machine)
     needed = shm_in_flight(s.batch_bytes or 0, want_prefetch, eff_workers, local_ranks)
     if eff_workers and needed and (shm_total is None or needed > shm_total):
         rec.append(Recommendation("--shm-size", shm_size_advice(needed),

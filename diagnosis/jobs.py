@@ -69,13 +69,6 @@ class Job:
     def straggler_ranks(self) -> list[str]:
         return [s.rank for s in self.stragglers]
 
-    def waiting_share(self, rank: str, times: RankTimes | None) -> float | None:
-        """The share of `rank`'s step spent waiting for other ranks (an estimate)."""
-        wait = self.waiting.get(rank)
-        if wait is None or times is None or times.step <= 0:
-            return None
-        return wait / times.step
-
     def as_dict(self) -> dict[str, object]:
         return {"loader": self.loader, "ranks": len(self.ranks), "rank_list": self.ranks,
                 "input_stall_share": self.input_stall_share,

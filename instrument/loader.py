@@ -10,7 +10,6 @@ appends and a few integer updates.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import os
 import weakref
@@ -82,10 +81,9 @@ class _Instruments:
     def start_epoch(self, loader: Any) -> None:
         """At iter(): the loader's settings. The epoch itself starts at its first batch (a
         framework may call iter() to probe a loader and fetch nothing)."""
-        self.config = loader_config(loader)
+        self.config = LoaderConfig.of(loader)
         rec = self.rec
-        rec.config = {"loader": self.name, "rank": rec.rank, **self.config.labels(),
-                      "gpu_uuid": rec.gpu_uuid}
+        rec.config = {"loader": self.name, "rank": rec.rank, **self.config.labels()}
         if self.config.num_workers == 0:
             rec.workers.blind = False
             if rec.workers.active is None:
@@ -148,10 +146,7 @@ class _Instruments:
 
     def note_gpu(self, uuid: str) -> None:
         """Labels dataloader_info with the GPU this loader's batches go to."""
-        rec = self.rec
-        rec.gpu_uuid = uuid
-        if rec.config:
-            rec.config = {**rec.config, "gpu_uuid": uuid}
+        self.rec.gpu_uuid = uuid
 
     def to_device(self, batch: Any, device: Any, non_blocking: bool) -> Any:
         rec = self.rec
@@ -178,17 +173,6 @@ class _Instruments:
             rec.transfer.append(perf_counter_ns() - t0)
         rec.transfer_bytes += nbytes
         return out
-
-
-def loader_config(loader: Any) -> LoaderConfig:
-    """The loader's effective settings; the batch size read from its batch sampler when the
-    loader has none of its own (Accelerate shards through a batch sampler)."""
-    cfg = LoaderConfig.of(loader)
-    if cfg.batch_size is None:
-        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-            cfg = dataclasses.replace(cfg, batch_size=size)
-    return cfg
 
 
 def instrumented_iter(loader: Any, dle: _Instruments, torch_iter: Callable[[Any], Any]

@@ -33,12 +33,19 @@ class LoaderConfig:
 
     @classmethod
     def of(cls, loader: Any) -> LoaderConfig:
+        """The loader's settings; the batch size read from its batch sampler when the loader
+        has none of its own (Accelerate shards through a batch sampler)."""
         num_workers = getattr(loader, "num_workers", None)
         prefetch = getattr(loader, "prefetch_factor", None)
         if prefetch is None and num_workers:
             prefetch = 2  # torch's default when workers are used
-        return cls(num_workers, getattr(loader, "batch_size", None), prefetch,
-                   getattr(loader, "pin_memory", None), getattr(loader, "persistent_workers", None))
+        batch_size = getattr(loader, "batch_size", None)
+        if batch_size is None:
+            size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+            if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+                batch_size = size
+        return cls(num_workers, batch_size, prefetch, getattr(loader, "pin_memory", None),
+                   getattr(loader, "persistent_workers", None))
 
     def labels(self) -> dict[str, str]:
         def s(v: object) -> str:

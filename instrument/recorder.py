@@ -186,7 +186,8 @@ def _families(recs: list[LoaderRecorder]) -> Iterator[Family]:
     info = family(cat.INFO)
     for r in recs:
         if r.config:
-            info.add_metric([r.name, r.rank, *(r.config.get(k, "") for k in cat.INFO_LABELS[2:])],
+            known = {**r.config, "gpu_uuid": r.gpu_uuid}
+            info.add_metric([r.name, r.rank, *(known.get(k, "") for k in cat.INFO_LABELS[2:])],
                             1)
     yield info
 
