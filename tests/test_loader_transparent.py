@@ -338,3 +338,36 @@ def test_batches_the_metrics_cannot_measure_still_reach_the_loop(
     loader = instrument.wrap(items, name="t", registry=registry)
     assert all(a is b for a, b in zip(loader, items, strict=True))
     assert value(registry, cat.BATCHES.name, loader="t", rank="0") == 70
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_a_wrapped_torch_loader_gives_what_a_bare_one_gives_side_by_side(
+        registry: CollectorRegistry, workers: int, persistent: bool) -> None:
+    """wrap() of a torch DataLoader is timed through the hook on torch's public __iter__:
+    the same batches, order and types as an untouched twin, and its own collate_fn."""
+    kw = {"batch_size": 3, "shuffle": True, "num_workers": workers,
+          "persistent_workers": persistent}
+    bare = TorchDataLoader(SleepDataset(10), generator=torch.Generator().manual_seed(7), **kw)
+    inner = TorchDataLoader(SleepDataset(10), generator=torch.Generator().manual_seed(7), **kw)
+    collate = inner.collate_fn
+    wrapped = instrument.wrap(inner, name="w", registry=registry)
+    got, want = batches(wrapped, 2), batches(bare, 2)
+    assert got == want
+    assert value(registry, cat.BATCHES.name, loader="w", rank="0") == 8
+    assert [type(b) for b in next(iter(wrapped))] == [type(b) for b in next(iter(bare))]
+    assert wrapped.collate_fn is collate
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_wrapped_torch_loader_raises_what_a_bare_one_raises(
+        registry: CollectorRegistry, workers: int) -> None:
+    def failure(loader: Any) -> str:
+        with pytest.raises(Exception) as info:
+            for _ in loader:
+                pass
+        return f"{type(info.value).__name__}: {info.value}".split("\n")[0]
+
+    bare = TorchDataLoader(FailingDataset(6, 3), batch_size=2, num_workers=workers)
+    wrapped = instrument.wrap(TorchDataLoader(FailingDataset(6, 3), batch_size=2,
+                                              num_workers=workers), name="f", registry=registry)
+    assert failure(wrapped) == failure(bare)

@@ -3,6 +3,7 @@ counting, and wrap() that leaves a framework's view of the loader unchanged."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -206,3 +207,60 @@ def test_a_users_own_plain_loader_over_the_same_dataset_is_not_counted_as_a_copy
     exec("def run(loader):\n    return sum(1 for _ in loader)\n", loop.__dict__)
     assert loop.run(train) == 8 and loop.run(plain) == 4
     assert value(registry, cat.BATCHES.name, loader="own-train", rank="0") == 8
+
+
+SIDE_BY_SIDE = """
+import gc, json, os, time
+import torch
+from torch.utils.data import DataLoader
+from helpers import FailingDataset, SleepDataset
+
+def fds():
+    return len(os.listdir('/proc/self/fd'))
+
+for _ in DataLoader(SleepDataset(4), batch_size=2, num_workers=2):  # torch's own first-use
+    pass                                                              # descriptors, once
+gc.collect()
+before = fds()
+loader = DataLoader(SleepDataset(10), batch_size=3, shuffle=True, num_workers=2,
+                    generator=torch.Generator().manual_seed(7))
+seen = [[[x.tolist() if isinstance(x, torch.Tensor) else x for x in b] for b in loader]
+        for _ in range(2)]
+types = [type(x).__name__ for x in next(iter(loader))]
+try:
+    for _ in DataLoader(FailingDataset(6, 3), batch_size=2):
+        pass
+    error = None
+except Exception as e:
+    error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+del loader
+gc.collect()
+deadline = time.monotonic() + 10
+while fds() > before and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps({"seen": seen, "types": types, "error": error, "fds_back": fds() <= before,
+                  "hooked": hasattr(DataLoader.__iter__, "__dataloader_exporter_original__")}))
+"""
+
+
+def test_zero_code_mode_gives_a_program_what_torch_alone_gives_it(tmp_path: Path) -> None:
+    """The same program with the environment switch off and on: the same batches, order,
+    types and exception, and no descriptor left behind by its loaders."""
+    def once(switch: bool) -> dict[str, object]:
+        path = [str(REPO / "tests"), str(REPO)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [autorun_dir(), *path] if switch else path)}
+        env.pop("DATALOADER_EXPORTER_AUTO", None)
+        if switch:
+            env["DATALOADER_EXPORTER_AUTO"] = "1"
+        out = subprocess.run([sys.executable, "-c", SIDE_BY_SIDE], env=env,
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    bare, ours = once(False), once(True)
+    assert (bare["hooked"], ours["hooked"]) == (False, True)
+    for key in ("seen", "types", "error"):
+        assert ours[key] == bare[key], key
+    assert ours["error"] == "ValueError: corrupt sample 3"
+    assert ours["fds_back"] and bare["fds_back"]
