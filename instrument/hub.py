@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 
@@ -77,10 +79,11 @@ class Hub:
                 writer.start()
             return writer
 
-    def flush_now(self) -> None:
-        """Asks every snapshot writer to write soon (at the end of an epoch)."""
+    def flush_now(self, urgent: bool = False) -> None:
+        """Asks every snapshot writer for a write: soon at the end of an epoch, at once
+        after an error (SnapshotWriter)."""
         for writer in list(self._writers.values()):
-            writer.wake()
+            writer.wake(urgent)
 
     def serve(self, port: int = 0, addr: str = "0.0.0.0", system_metrics: bool = True,
               shm_path: str = SHM_PATH, web_config_file: str | None = None) -> ServerHandle:
@@ -177,8 +180,14 @@ def snapshot_path(directory: str) -> str:
 class SnapshotWriter:
     """Writes a registry to <dir>/<unique>.prom every interval, atomically (rename).
 
-    Failures (missing or unwritable directory, full disk) are logged once and retried
-    quietly; training never sees them. The last snapshot is written at interpreter exit.
+    Writes keep their own cadence, one every interval whatever the loop does, so that a
+    snapshot is a fair sample of gauges such as dataloader_workers_active: the end of an
+    epoch asks for a write (wake) but gets one at once only if the last write is an
+    interval old (with epochs shorter than the interval, every write would otherwise land
+    on an epoch's end, when non-persistent workers are gone). An error asks urgently
+    (wake(urgent=True)) and is written at once. Failures (missing or unwritable
+    directory, full disk) are logged once and retried quietly; training never sees them.
+    The last snapshot is written at interpreter exit.
     """
 
     def __init__(self, registry: CollectorRegistry, directory: str, interval: float) -> None:
@@ -190,9 +199,11 @@ class SnapshotWriter:
         self.failures = 0
         self._pid = os.getpid()
         self._wake = threading.Event()
+        self._urgent = False
         self._stop = threading.Event()
         self._write_lock = threading.Lock()
         self._failing = False
+        self._last = -math.inf  # time.monotonic() of the last write
         self._thread = threading.Thread(target=self._run, name="dataloader-exporter-snapshot",
                                         daemon=True)
 
@@ -200,7 +211,10 @@ class SnapshotWriter:
         self._thread.start()
         atexit.register(self.close)
 
-    def wake(self) -> None:
+    def wake(self, urgent: bool = False) -> None:
+        """Asks for a write: at once if urgent or the last one is an interval old."""
+        if urgent:
+            self._urgent = True
         self._wake.set()
 
     def close(self) -> None:
@@ -213,16 +227,25 @@ class SnapshotWriter:
         self.write()
 
     def _run(self) -> None:
+        due = time.monotonic()
         while not self._stop.is_set():
-            self.write()
-            self._wake.wait(self.interval)
+            now = time.monotonic()
+            asked = self._wake.is_set()
             self._wake.clear()
+            if now >= due or self._urgent or (asked and now - self._last >= self.interval):
+                self._urgent = False
+                self.write()
+                if now >= due:
+                    due = now + self.interval
+            # (a wake too soon after a write is covered by the next one, within interval)
+            self._wake.wait(max(0.0, due - time.monotonic()))
 
     def write(self) -> bool:
         """One atomic write; False (and one log line per failure streak) on error."""
         if os.getpid() != self._pid:  # a forked child must not write its parent's file
             return False
         with self._write_lock:
+            self._last = time.monotonic()
             try:
                 os.makedirs(self.directory, exist_ok=True)
                 write_to_textfile(self.path, self.registry)

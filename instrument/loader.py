@@ -10,6 +10,8 @@ appends and a few integer updates.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import logging
 import os
 import weakref
@@ -19,11 +21,12 @@ from typing import Any, TypeVar
 
 import torch
 import torch.utils.data
+from torch.utils.data import default_collate
 
 from exporter.config import ENV_DIR
 
-from . import compat, zerocode
-from .batch import batch_len, batch_nbytes, move
+from . import compat, envsettings, zerocode
+from .batch import batch_len, batch_nbytes, collated_len, item_len, move
 from .env import current_rank
 from .gpu import gpu_uuid
 from .hub import Hub, hub_for
@@ -32,6 +35,7 @@ from .recorder import LoaderRecorder
 from .workers import TimedCollate, new_block
 
 T_co = TypeVar("T_co", covariant=True)
+Counter = Callable[[Any], "int | None"]
 
 log = logging.getLogger("instrument")
 
@@ -142,7 +146,7 @@ class _Instruments:
     def error(self) -> None:
         """The iterator raised (the loop may catch it and go on): a worker gone now is lost."""
         self.rec.workers.refresh(0.0, on_error=True)
-        self.hub.flush_now()
+        self.hub.flush_now(urgent=True)
 
     def note_gpu(self, uuid: str) -> None:
         """Labels dataloader_info with the GPU this loader's batches go to."""
@@ -175,26 +179,71 @@ class _Instruments:
         return out
 
 
-def instrumented_iter(loader: Any, dle: _Instruments, torch_iter: Callable[[Any], Any]
-                      ) -> TimedIterator:
+def counter_for(loader: Any) -> Counter:
+    """How a torch loader's batches are counted (batch.py): by the shape default_collate
+    gives them, by the length their fields agree on (a custom collate_fn, checked against
+    the samples it was given), or, with batch_size=None, only when two fields agree."""
+    if getattr(loader, "batch_sampler", None) is None:
+        return item_len
+    return collated_len if loader.collate_fn is default_collate else batch_len
+
+
+def instrumented_iter(loader: Any, dle: _Instruments, torch_iter: Callable[[Any], Any],
+                      quiet: bool = False) -> TimedIterator:
     """iter(loader) through torch's own __iter__ (`torch_iter`), timed, its new workers
     given a TimedCollate while torch starts them (their one hook, see workers.py); the
-    loader's collate_fn is the user's again before this returns."""
+    loader's collate_fn is the user's again before this returns.
+
+    quiet: a holder (webdataset's WebLoader) measures the batches the loop takes; this
+    iterator only reports the workers and the end of its epochs.
+    """
     start = perf_counter_ns()
     dle.start_epoch(loader)
+    count = counter_for(loader)
+    verify = count is batch_len and not quiet
+    batched = loader.batch_sampler is not None
     if not loader.num_workers:
-        return TimedIterator(torch_iter(loader), dle, start)
+        if verify:  # the main process checks a custom collate_fn's count itself
+            check = TimedCollate(loader.collate_fn, None, True, True, dle.rec.miscount)
+            it = _with_collate(loader, check, torch_iter)
+        else:
+            it = torch_iter(loader)
+        return _iterator(it, dle, start, 0, count, quiet)
     if loader.persistent_workers and dle.tracking(compat.persistent_iterator(loader)):
         it = torch_iter(loader)  # the same workers again: nothing new to hand them
-        return TimedIterator(it, dle, start, dle.track(it, None))
+        return _iterator(it, dle, start, dle.track(it, None), count, quiet)
     block = new_block(loader.num_workers)
-    collate = loader.collate_fn
-    loader.collate_fn = TimedCollate(collate, block, batched=loader.batch_sampler is not None)
+    it = _with_collate(loader, TimedCollate(loader.collate_fn, block, batched, verify),
+                       torch_iter)
+    return _iterator(it, dle, start, dle.track(it, block), count, quiet)
+
+
+def _with_collate(loader: Any, collate: TimedCollate, torch_iter: Callable[[Any], Any]) -> Any:
+    user = loader.collate_fn
+    loader.collate_fn = collate
     try:
-        it = torch_iter(loader)
+        return torch_iter(loader)
     finally:
-        loader.collate_fn = collate
-    return TimedIterator(it, dle, start, dle.track(it, block))
+        loader.collate_fn = user
+
+
+def _iterator(it: Any, dle: _Instruments, start: int, gen: int, count: Counter,
+              quiet: bool) -> TimedIterator:
+    cls = QuietIterator if quiet else TimedIterator
+    return cls(it, dle, start, gen, count)
+
+
+def holder_iter(holder: Any, inner: list[Any], dle: _Instruments,
+                iterate: Callable[[Any], Any]) -> TimedIterator:
+    """iter() of a holder (webdataset's WebLoader) that iterates the torch loaders
+    `inner`: its batches timed and counted as the loop takes them; the torch loaders'
+    iterations report their workers only (zerocode.hold)."""
+    start = perf_counter_ns()
+    zerocode.hold(inner, dle)
+    dle.start_epoch(inner[0])
+    rechunked = len(getattr(holder, "pipeline", ())) > len(inner)
+    count = batch_len if rechunked else counter_for(inner[0])
+    return TimedIterator(iterate(holder), dle, start, 0, count)
 
 
 def reraise_torch_worker_error(e: Exception) -> None:
@@ -207,10 +256,13 @@ def reraise_torch_worker_error(e: Exception) -> None:
 class TimedIterator:
     """Times each next() of the iterator it holds; everything else passes through."""
 
-    __slots__ = ("__weakref__", "_done", "_gen", "_it", "_last", "_owner", "_rec", "_start")
+    __slots__ = ("__weakref__", "_count", "_done", "_gen", "_it", "_last", "_owner", "_rec",
+                 "_start")
 
-    def __init__(self, it: Any, owner: _Instruments, start_ns: int, gen: int = 0) -> None:
+    def __init__(self, it: Any, owner: _Instruments, start_ns: int, gen: int = 0,
+                 count: Counter = batch_len) -> None:
         self._it = it
+        self._count = count
         self._owner = owner
         self._rec = owner.rec
         self._start = start_ns
@@ -242,7 +294,11 @@ class TimedIterator:
         rec.last_batch_ns = t1
         rec.batches += 1
         try:  # free in CPython 3.11 unless it raises; an odd batch must not stop training
-            rec.samples += batch_len(batch)
+            n = self._count(batch)
+            if n is None:
+                rec.samples_known = False
+            else:
+                rec.samples += n
             if not rec.batches % BYTES_EVERY:
                 rec.batch_bytes = batch_nbytes(batch)
         except Exception as e:
@@ -271,6 +327,23 @@ class TimedIterator:
         return getattr(self._it, name)
 
 
+class QuietIterator(TimedIterator):
+    """A held torch loader's iterator: its batches are measured by the holder; this only
+    ends its workers' generation and reports an error (see TimedIterator._finish)."""
+
+    __slots__ = ()
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._finish(True)
+            raise
+        except Exception:
+            self._finish(False)
+            raise
+
+
 class DataLoader(torch.utils.data.DataLoader[T_co]):
     """torch.utils.data.DataLoader, instrumented. Same arguments, plus:
 
@@ -279,6 +352,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     port: also serve /metrics in-process on this port;
     registry: a prometheus_client CollectorRegistry to use instead of the process default.
     """
+
+    _dataloader_exporter_times_itself = True  # zerocode.SELF_TIMED: its hooks leave it be
 
     def __init__(self, dataset: torch.utils.data.Dataset[T_co], *args: Any,
                  name: str = "default", metrics_dir: str | None = None,
@@ -332,16 +407,21 @@ class WrappedLoader:
     """A loader someone else built, timed from the outside (see wrap())."""
 
     def __init__(self, loader: Any, name: str, metrics_dir: str | None, port: int | None,
-                 registry: Any) -> None:
+                 registry: Any, dle: _Instruments | None = None) -> None:
         self.loader = loader
-        self._dle = _Instruments(name, registry, metrics_dir, port)
+        self._dle = dle if dle is not None else _Instruments(name, registry, metrics_dir,
+                                                              port)
 
     def __iter__(self) -> TimedIterator:
         dle = self._dle
-        start = perf_counter_ns()
-        dle.start_epoch(self.loader)
-        it = iter(self.loader)
-        return TimedIterator(it, dle, start, dle.track(it, None))
+        inner = zerocode.held_loaders(self.loader)
+        with zerocode.measuring(self.loader):  # a zero-code hook on its class passes on
+            if inner:
+                return holder_iter(self.loader, inner, dle, iter)
+            start = perf_counter_ns()
+            dle.start_epoch(self.loader)
+            it = iter(self.loader)
+        return TimedIterator(it, dle, start, dle.track(it, None), batch_len)
 
     def __repr__(self) -> str:
         return f"<instrument.wrap of {self.loader!r}>"
@@ -356,7 +436,29 @@ class WrappedLoader:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "loader" not in self.__dict__:
             raise AttributeError(name)
-        return getattr(self.loader, name)
+        attr = getattr(self.loader, name)
+        if inspect.ismethod(attr) and attr.__self__ is self.loader:
+            return self._chained(name, attr)
+        return attr
+
+    def _chained(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        """A method of the loader whose result, when it is the loader or a new one of its
+        class (webdataset's .unbatched(), .batched(n), .with_epoch(n)), is measured too,
+        under the same name; another iterable result is said once to be unmeasured."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            if result is self.loader:
+                return self
+            if type(result) is type(self.loader):
+                return WrappedLoader(result, self._dle.name, None, None, None, dle=self._dle)
+            if _loader_like(result):
+                envsettings.say_once(f"chain:{self._dle.name}:{name}", "dataloader %r: %s.%s() "
+                                  "returned a %s, which is not measured: pass it to "
+                                  "instrument.wrap() to measure it", self._dle.name,
+                                  type(self.loader).__name__, name, type(result).__name__)
+            return result
+
+        return functools.wraps(method)(call)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Settings go to the loader, which accepts or refuses them as it would unwrapped.
@@ -375,21 +477,31 @@ class WrappedLoader:
 _WRAPPER_OWN = frozenset({"loader", "_dle"})
 
 
+def _loader_like(obj: Any) -> bool:
+    """An object a loop could iterate for batches (not a container, string or iterator)."""
+    return (hasattr(type(obj), "__iter__") and not hasattr(type(obj), "__next__")
+            and not isinstance(obj, (str, bytes, dict, list, tuple, set, frozenset)))
+
+
 def wrap(loader: Any, name: str = "default", metrics_dir: str | None = None,
          port: int | None = None, registry: Any = None) -> Any:
     """Instruments a loader you did not construct (from a framework, say).
 
     A torch DataLoader (or anything that passes isinstance as one, like Accelerate's
-    prepared loaders) is returned as it is, instrumented where torch's public
-    DataLoader.__iter__ runs (zerocode.py): frameworks' isinstance checks still pass (so
-    Lightning still adds its DistributedSampler), and its workers get the per-worker hook.
-    A copy a framework builds over the same dataset keeps the name. An instrument.DataLoader
-    or a loader wrapped already is returned unchanged (never counted twice); a loader that
-    zero-code mode named takes this name instead. Anything else iterable is held by a
-    WrappedLoader that times each next().
+    prepared loaders, or a subclass such as torchdata's StatefulDataLoader) is returned
+    as it is, instrumented where its public __iter__ runs (zerocode.py): frameworks'
+    isinstance checks still pass (so Lightning still adds its DistributedSampler), and its
+    workers get the per-worker hook. A copy a framework builds over the same dataset keeps
+    the name. An instrument.DataLoader or a loader wrapped already is returned unchanged
+    (never counted twice); a loader that zero-code mode named takes this name instead.
+    Anything else iterable is held by a WrappedLoader that times each next(); one that
+    re-chunks a torch loader's batches (webdataset's WebLoader) is measured as the loop
+    takes its batches, through its chain methods too.
     """
     known = zerocode.instruments(loader)
     if isinstance(loader, DataLoader) or (known is not None and known.explicit):
+        return loader
+    if isinstance(loader, WrappedLoader):
         return loader
     if isinstance(loader, torch.utils.data.DataLoader):
         zerocode.adopt(loader, _Instruments(name, registry, metrics_dir, port))

@@ -77,6 +77,9 @@ class LoaderRecorder:
         self.first: deque[int] = deque(maxlen=MAX_UNREAD)
         self.batches = 0
         self.samples = 0
+        # False once a batch's samples could not be counted (batch.py, workers.py): the
+        # total is then unknown and not exported, for the rest of the process.
+        self.samples_known = True
         self.epochs = 0
         self.batch_bytes = -1
         self.transfer_bytes = 0
@@ -100,7 +103,13 @@ class LoaderRecorder:
             self.step_h.add_ns(_drain(self.step))
             self.first_h.add_ns(_drain(self.first))
             self.transfer_h.add_ns(_drain(self.transfer) + self._completed_events())
+        if self.samples_known and self.workers.miscounted():
+            self.samples_known = False
         self.workers.refresh(time.monotonic() if now is None else now)
+
+    def miscount(self) -> None:
+        """A batch's count was found wrong (a custom collate_fn, workers.py)."""
+        self.samples_known = False
 
     def _completed_events(self) -> list[int]:
         done: list[int] = []
@@ -156,7 +165,7 @@ def _families(recs: list[LoaderRecorder]) -> Iterator[Family]:
     yield first_f
     simple: list[tuple[cat.Metric, Callable[[LoaderRecorder], float | None]]] = [
         (cat.BATCHES, lambda r: r.batches),
-        (cat.SAMPLES, lambda r: r.samples),
+        (cat.SAMPLES, lambda r: r.samples if r.samples_known else None),
         (cat.EPOCHS, lambda r: r.epochs),
         (cat.TRANSFER_BYTES, lambda r: r.transfer_bytes),
         (cat.LAST_BATCH, LoaderRecorder.last_batch_unix),
@@ -178,7 +187,8 @@ def _families(recs: list[LoaderRecorder]) -> Iterator[Family]:
         for worker, cpu_ns, n, beat_ns in r.workers.per_worker():
             labels = [r.name, r.rank, str(worker)]
             cpu.add_metric(labels, cpu_ns / 1e9)
-            samples.add_metric(labels, n)
+            if n is not None:
+                samples.add_metric(labels, n)
             beat.add_metric(labels, beat_ns / 1e9)
     yield cpu
     yield samples

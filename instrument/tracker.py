@@ -26,7 +26,7 @@ import numpy as np
 import psutil
 import torch
 
-from .workers import CPU, HEARTBEAT, PID, SAMPLES
+from .workers import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED
 
 CLEAN, FAILED = "clean", "failed"
 
@@ -51,13 +51,44 @@ def exit_status(pid: int) -> str | None:
     return CLEAN if int(fields[49]) == 0 else FAILED
 
 
-def _add(block: torch.Tensor, cpu: np.ndarray, samples: np.ndarray, beat: np.ndarray) -> None:
-    """Adds a block's rows into per-worker totals (CPU and samples summed, latest beat)."""
-    arr = block.numpy()
-    n = arr.shape[0]
-    cpu[:n] += arr[:, CPU]
-    samples[:n] += arr[:, SAMPLES]
-    np.maximum(beat[:n], arr[:, HEARTBEAT], out=beat[:n])
+class _Totals:
+    """Per-worker-index totals of folded generations: CPU and samples summed, the latest
+    heartbeat, and the UNCOUNTED and MISCOUNTED flags summed (workers.py)."""
+
+    __slots__ = ("beat", "cpu", "miscounted", "samples", "uncounted")
+
+    def __init__(self, width: int = 0) -> None:
+        self.cpu = np.zeros(width, dtype=np.int64)
+        self.samples = np.zeros(width, dtype=np.int64)
+        self.beat = np.zeros(width, dtype=np.int64)
+        self.uncounted = np.zeros(width, dtype=np.int64)
+        self.miscounted = np.zeros(width, dtype=np.int64)
+
+    @property
+    def width(self) -> int:
+        return int(self.cpu.shape[0])
+
+    def grow(self, width: int) -> None:
+        if width > self.width:
+            extra = np.zeros(width - self.width, dtype=np.int64)
+            for name in self.__slots__:
+                setattr(self, name, np.concatenate([getattr(self, name), extra]))
+
+    def add(self, block: torch.Tensor) -> None:
+        arr = block.numpy()
+        n = arr.shape[0]
+        self.grow(n)
+        self.cpu[:n] += arr[:, CPU]
+        self.samples[:n] += arr[:, SAMPLES]
+        self.uncounted[:n] += arr[:, UNCOUNTED]
+        self.miscounted[:n] += arr[:, MISCOUNTED]
+        np.maximum(self.beat[:n], arr[:, HEARTBEAT], out=self.beat[:n])
+
+    def copy(self) -> _Totals:
+        out = _Totals()
+        for name in self.__slots__:
+            setattr(out, name, getattr(self, name).copy())
+        return out
 
 
 class _Generation:
@@ -89,9 +120,7 @@ class WorkerTracker:
         self._collected: deque[int] = deque()  # generations whose iterator is gone
         self._done: set[int] = set()  # pids that ended, lost or not: never counted again
         self._ids = 0
-        self._cpu = np.zeros(0, dtype=np.int64)
-        self._samples = np.zeros(0, dtype=np.int64)
-        self._beat = np.zeros(0, dtype=np.int64)
+        self._totals = _Totals()
         self._procs: dict[int, psutil.Process] = {}
         self._next = 0.0
 
@@ -116,6 +145,7 @@ class WorkerTracker:
                 gen.watched = False
                 for pid in gen.all_pids():
                     self._procs.pop(pid, None)
+            self._next = 0.0  # the next read counts again: these workers are gone now
 
     def _fold_collected(self) -> None:
         """Folds the generations whose iterator is gone into the totals (lock held)."""
@@ -127,13 +157,7 @@ class WorkerTracker:
                 self._procs.pop(pid, None)
                 self._done.discard(pid)
             if gen.block is not None:
-                n = gen.block.shape[0]
-                if self._cpu.shape[0] < n:
-                    grow = np.zeros(n - self._cpu.shape[0], dtype=np.int64)
-                    self._cpu = np.concatenate([self._cpu, grow])
-                    self._samples = np.concatenate([self._samples, grow])
-                    self._beat = np.concatenate([self._beat, grow])
-                _add(gen.block, self._cpu, self._samples, self._beat)
+                self._totals.add(gen.block)
 
     # --- read by the collector ---------------------------------------------------------
     def refresh(self, now: float, on_error: bool = False) -> None:
@@ -174,23 +198,25 @@ class WorkerTracker:
         except psutil.Error:
             return False
 
-    def per_worker(self) -> list[tuple[int, int, int, int]]:
-        """(worker, cpu_ns, samples, heartbeat_ns) per worker index that has reported."""
+    def _current(self) -> _Totals:
+        """Folded totals plus the live generations' blocks (lock held)."""
+        self._fold_collected()
+        totals = self._totals.copy()
+        for g in self._live.values():
+            if g.block is not None:
+                totals.add(g.block)
+        return totals
+
+    def per_worker(self) -> list[tuple[int, int, int | None, int]]:
+        """(worker, cpu_ns, samples, heartbeat_ns) per worker index that has reported;
+        samples None where some batch of that worker could not be counted."""
         with self._lock:
-            self._fold_collected()
-            blocks = [g.block for g in self._live.values() if g.block is not None]
-            width = max([self._cpu.shape[0], *(b.shape[0] for b in blocks)])
-            if not width:
-                return []
-            cpu = np.zeros(width, dtype=np.int64)
-            samples = np.zeros(width, dtype=np.int64)
-            beat = np.zeros(width, dtype=np.int64)
-            n = self._cpu.shape[0]
-            cpu[:n] += self._cpu
-            samples[:n] += self._samples
-            beat[:n] = self._beat
-            for block in blocks:
-                _add(block, cpu, samples, beat)
-            # A worker that has not finished a batch yet has no figures: none are made up.
-            return [(i, int(cpu[i]), int(samples[i]), int(beat[i])) for i in range(width)
-                    if beat[i]]
+            t = self._current()
+        # A worker that has not finished a batch yet has no figures: none are made up.
+        return [(i, int(t.cpu[i]), None if t.uncounted[i] else int(t.samples[i]),
+                 int(t.beat[i])) for i in range(t.width) if t.beat[i]]
+
+    def miscounted(self) -> bool:
+        """Whether a worker found the main process's sample count of a batch wrong."""
+        with self._lock:
+            return bool(self._current().miscounted.any())

@@ -1,24 +1,35 @@
-"""Loaders nobody instrumented by hand: zero-code mode, framework copies, env settings.
+"""Loaders nobody instrumented by hand: zero-code mode, framework copies, data libraries.
 
 Frameworks build and rebuild DataLoaders (Lightning adds a DistributedSampler, Accelerate's
 prepare() builds its own loader around a fresh torch DataLoader, the HF Trainer builds
-them itself). So the loaders are instrumented where every one of them passes: torch's
-public ``DataLoader.__iter__`` (and, in zero-code mode, ``DataLoader.__init__``, for
-names and settings), wrapped on the public class. Subclasses reach it through super();
-torch's private iterator classes are never touched, and torch and the user still see
-their own dataset, sampler, collate_fn and worker_init_fn (see loader.instrumented_iter).
+them itself), and data libraries subclass it without calling it (torchdata's
+StatefulDataLoader re-implements ``__init__`` and ``__iter__``). So loaders are
+instrumented where every one of them passes: the public ``__iter__`` (and, in zero-code
+mode, ``__init__``, for names and settings) of torch's DataLoader and of each subclass
+that defines its own, hooked on the class (subclasses defined later are hooked as they
+are defined, through ``__init_subclass__``). Only the outermost hook of a call does the
+work: one reached through ``super()`` passes straight on, so nothing is counted twice.
+An ``__iter__`` that is a generator function (Accelerate's DataLoaderShard) runs
+torch's later, lazily: it is left alone and measured where torch's runs. torch's private
+iterator classes are never touched, and torch and the user still see their own dataset,
+sampler, collate_fn and worker_init_fn (see loader.instrumented_iter).
+
+Holders: an object that is not a DataLoader but holds one and re-chunks its batches
+(HOLDERS: webdataset's WebLoader, whose ``.unbatched().batched(n)`` makes the batches the
+loop takes) is measured where the loop iterates it: its torch loader then only reports
+its workers and settings ("held", quiet), so batches are counted once, as the loop saw
+them. wrap() of a holder does the same, and keeps measuring through its chain methods.
 
 Which loaders: those adopted by wrap() or instrument.DataLoader, and the copies a
-framework's code (FRAMEWORKS) builds of them over the same dataset object, under the same
-name; in zero-code mode (install(auto=True), see autorun/sitecustomize.py) every loader.
-An instrument.DataLoader times itself and is never counted twice.
+framework's code (naming.FRAMEWORKS) builds of them over the same dataset object, under
+the same name; in zero-code mode (install(auto=True), see autorun/sitecustomize.py) every
+loader. An instrument.DataLoader times itself and is never counted twice.
 
-Names in zero-code mode, decided once when a loader is built, the same on every rank and
-every restart, and as few as the roles and dataset classes a program has: the explicit
-name of an instrumented loader over the same dataset; else the role of the framework
-method building it (ROLES: Lightning's train_dataloader, the HF Trainer's
-get_train_dataloader and so on); else the name a loader over the same dataset got; else
-the dataset's class name.
+Names in zero-code mode, decided once when a loader is built: the explicit name of an
+instrumented loader over the same dataset; else the role of the framework method
+building it (naming.ROLES); else, for a framework's copy, the name of the loader it
+copies (the one over the same dataset); else the place in the user's code that built it
+(naming.site_name: ``train.py:42``).
 """
 
 from __future__ import annotations
@@ -28,30 +39,29 @@ import contextlib
 import functools
 import inspect
 import logging
-import os
-import re
-import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch.utils.data
 
-from exporter.loadersettings import (
-    ENV_SETTINGS,
-    NEEDS_WORKERS,
-    Setting,
-    for_loader,
-    named_loaders,
-    parse,
-)
+from exporter.loadersettings import ENV_SETTINGS
+
+from . import envsettings
+from .naming import SiteNames, built_by_framework, class_name, role_from_stack, user_stack
 
 log = logging.getLogger("instrument")
 
 _MARK = "__dataloader_exporter_original__"
+# A class attribute of loaders that time themselves (instrument.DataLoader): not hooked.
+SELF_TIMED = "_dataloader_exporter_times_itself"
 _TorchDataLoader = torch.utils.data.DataLoader
+# Classes (module.qualname) that hold a torch DataLoader in `pipeline` and re-chunk its
+# batches before the loop takes them.
+HOLDERS = frozenset({"webdataset.compat.WebLoader"})
+_INIT, _ITER = "__init__", "__iter__"
 
 
 def _original(attr: str) -> Any:
@@ -61,20 +71,9 @@ def _original(attr: str) -> Any:
 
 TORCH_INIT: Callable[..., None] = _original("__init__")
 TORCH_ITER: Callable[[Any], Any] = _original("__iter__")
-_SIGNATURE = inspect.signature(TORCH_INIT)
 
-# The framework methods that build loaders, and the name their loaders get.
-ROLES: dict[str, str] = {
-    "train_dataloader": "train", "get_train_dataloader": "train",
-    "val_dataloader": "eval", "get_eval_dataloader": "eval", "eval_dataloader": "eval",
-    "test_dataloader": "test", "get_test_dataloader": "test",
-    "predict_dataloader": "predict",
-}
-STACK_DEPTH = 64  # frames searched for a role, once per loader built
-# Packages whose loaders are copies of the user's when built over an adopted loader's dataset.
-FRAMEWORKS = ("accelerate", "lightning", "lightning_fabric", "pytorch_lightning",
-              "transformers")
-_UNSAFE = re.compile(r"[^A-Za-z0-9_]")
+__all__ = ["TORCH_INIT", "TORCH_ITER", "adopt", "install", "instruments", "never_iterated",
+           "role_from_stack"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +111,9 @@ class _Table:
             return False
         return True
 
+    def values(self) -> list[Any]:
+        return [v for ref, v in list(self._d.values()) if ref() is not None]
+
     def __bool__(self) -> bool:
         return bool(self._d)
 
@@ -119,24 +121,38 @@ class _Table:
 _loaders = _Table()  # loader -> loader._Instruments
 _datasets = _Table()  # dataset -> Naming
 _own = _Table()  # plain loaders the user built over an adopted dataset (not copies)
+_held = _Table()  # torch loaders a holder iterates -> the holder's _Instruments
+_sites = SiteNames()
 _auto = False
 _lock = threading.Lock()
+_tls = threading.local()  # .outer: {(id(obj), kind): state} of the outermost hook running
 
 
-# --- the hook on torch's public class -----------------------------------------------
+# --- the hooks ------------------------------------------------------------------------
 def install(auto: bool = False) -> None:
-    """Hooks DataLoader.__iter__ (for adopted loaders and their copies) and, with auto,
-    DataLoader.__init__ too (every loader: zero-code mode). Idempotent."""
+    """Hooks torch's DataLoader and its subclasses: __iter__ (adopted loaders and their
+    copies) and, with auto, __init__ too (every loader: zero-code mode). Idempotent."""
     global _auto
     with _lock:
         if auto:
             _auto = True
-        hooks = {"__iter__": _hooked_iter, "__init__": _hooked_init}
-        for attr, hook in hooks.items():
+        for attr, hook in (("__iter__", _hooked_iter), ("__init__", _hooked_init)):
             if getattr(vars(_TorchDataLoader)[attr], _MARK, None) is None:
                 setattr(_TorchDataLoader, attr, hook)
+        if getattr(vars(_TorchDataLoader).get("__init_subclass__"), "__func__", None) is not (
+                _on_subclass):
+            _TorchDataLoader.__init_subclass__ = classmethod(_on_subclass)  # type: ignore[assignment]
+        for cls in _subclasses(_TorchDataLoader):
+            _hook_class(cls)
         if auto:
             _exit_report()
+
+
+def _subclasses(cls: type) -> Iterator[type]:
+    sub: type
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
 
 
 def _mark(original: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
@@ -147,42 +163,121 @@ def _mark(original: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
     return deco
 
 
+def _on_subclass(cls: type, **kwargs: Any) -> None:
+    super(_TorchDataLoader, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
+    with contextlib.suppress(Exception):  # defining a class must never fail because of us
+        _hook_class(cls)
+
+
+def _hook_class(cls: type) -> None:
+    """Hooks a DataLoader subclass's own __init__ and (non-generator) __iter__."""
+    if getattr(cls, SELF_TIMED, False):
+        return
+    own = vars(cls)
+    init, it = own.get("__init__"), own.get("__iter__")
+    if inspect.isfunction(init) and not hasattr(init, _MARK):
+        setattr(cls, _INIT, _init_hook(init))
+    if inspect.isfunction(it) and not hasattr(it, _MARK) and (
+            not inspect.isgeneratorfunction(it)):
+        setattr(cls, _ITER, _iter_hook(it))
+
+
+def _init_hook(original: Callable[..., None]) -> Any:
+    @_mark(original)
+    def hooked(self: Any, *args: Any, **kwargs: Any) -> None:
+        _init_via(self, original, args, kwargs)
+    return hooked
+
+
+def _iter_hook(original: Callable[[Any], Any]) -> Any:
+    @_mark(original)
+    def hooked(self: Any) -> Any:
+        return _iter_via(self, original)
+    return hooked
+
+
+@contextlib.contextmanager
+def _outermost(obj: Any, kind: str, state: Any = None) -> Iterator[Any]:
+    """Marks the outermost hook of `kind` running for obj in this thread (hooks it reaches
+    through super() pass straight on)."""
+    outer = _tls.__dict__.setdefault("outer", {})
+    key = (id(obj), kind)
+    outer[key] = state
+    try:
+        yield state
+    finally:
+        outer.pop(key, None)
+
+
+def _inside(obj: Any, kind: str) -> bool:
+    outer: dict[tuple[int, str], Any] | None = _tls.__dict__.get("outer")
+    return bool(outer) and (id(obj), kind) in outer  # type: ignore[operator]
+
+
+def _window_state(obj: Any, kind: str) -> Any:
+    return _tls.__dict__.get("outer", {}).get((id(obj), kind))
+
+
 @_mark(TORCH_ITER)
 def _hooked_iter(self: Any) -> Any:
-    dle = _loaders.get(self)
-    if dle is None and not (_auto or _datasets):  # a plain loader, nothing adopted: as torch
-        return TORCH_ITER(self)
-    from . import loader
-
-    if dle is None:
-        if isinstance(self, loader.DataLoader):
-            return TORCH_ITER(self)
-        try:
-            dataset = getattr(self, "dataset", None)
-            naming = _datasets.get(dataset) if dataset is not None else None
-            if _auto:  # built before the hook was installed
-                naming = naming or Naming(_class_name(dataset))
-            elif naming is None or _own.get(self) or not built_by_framework():
-                # Not a copy of an adopted loader that a framework iterates (Lightning
-                # puts torch's own __init__ back after its hooks, hiding the copy it builds).
-                return TORCH_ITER(self)
-            dle = _instruments(self, naming)
-        except Exception:  # instrumentation must never stop training
-            log.warning("dataloader-exporter: cannot instrument %r", self, exc_info=True)
-            return TORCH_ITER(self)
-    return loader.instrumented_iter(self, dle, TORCH_ITER)
+    return _iter_via(self, TORCH_ITER)
 
 
 @_mark(TORCH_INIT)
 def _hooked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+    _init_via(self, TORCH_INIT, args, kwargs)
+
+
+def _iter_via(self: Any, original: Callable[[Any], Any]) -> Any:
+    if _inside(self, "iter"):  # reached through super() from an outer hook: it measures
+        return original(self)
+    held = _held.get(self)
+    dle = _loaders.get(self)
+    if held is None and dle is None and not (_auto or _datasets):
+        return original(self)  # a plain loader, nothing adopted: as torch
+    from . import loader
+
+    if isinstance(self, loader.DataLoader):
+        return original(self)
+    if held is not None:  # a holder measures the batches; this reports its workers
+        with _outermost(self, "iter"):
+            return loader.instrumented_iter(self, held, original, quiet=True)
+    if dle is None:
+        try:
+            dataset = getattr(self, "dataset", None)
+            naming = _datasets.get(dataset) if dataset is not None else None
+            if _auto:  # built before the hook was installed
+                naming = naming or Naming(class_name(dataset))
+            elif naming is None or _own.get(self) or not built_by_framework():
+                # Not a copy of an adopted loader that a framework iterates (Lightning
+                # puts torch's own __init__ back after its hooks, hiding the copy it builds).
+                return original(self)
+            dle = _instruments(self, naming)
+        except Exception:  # instrumentation must never stop training
+            log.warning("dataloader-exporter: cannot instrument %r", self, exc_info=True)
+            return original(self)
+    with _outermost(self, "iter"):
+        return loader.instrumented_iter(self, dle, original)
+
+
+def _init_via(self: Any, original: Callable[..., None], args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> None:
     from . import loader
 
     if isinstance(self, loader.DataLoader):  # names and settings are its own business
-        TORCH_INIT(self, *args, **kwargs)
+        original(self, *args, **kwargs)
+        return
+    if _inside(self, "init"):  # through super(): the outer hook names it; it may have
+        pending = _window_state(self, "init")  # left settings its signature lacks to torch
+        if pending is not None and pending.keys and original is TORCH_INIT:
+            args, kwargs, pending.keys = envsettings.apply(pending.name, args, kwargs,
+                                                           original, pending.keys)
+        original(self, *args, **kwargs)
         return
     dataset = args[0] if args else kwargs.get("dataset")
     if not _auto:  # only a framework's copy of an adopted loader
-        TORCH_INIT(self, *args, **kwargs)
+        with _outermost(self, "init"):
+            original(self, *args, **kwargs)
         naming = _datasets.get(dataset) if dataset is not None else None
         if naming is not None and built_by_framework():
             try:
@@ -193,12 +288,21 @@ def _hooked_init(self: Any, *args: Any, **kwargs: Any) -> None:
             _own.put(self, True)
         return
     naming = _naming_for(dataset)
-    args, kwargs = apply_settings(naming.name, args, kwargs)  # may raise SettingsError
-    TORCH_INIT(self, *args, **kwargs)
+    # May raise SettingsError; what the class's signature cannot take is left for torch's
+    # __init__, if this one reaches it.
+    args, kwargs, left = envsettings.apply(naming.name, args, kwargs, original)
+    pending = envsettings.Pending(naming.name, left)
+    with _outermost(self, "init", pending):
+        original(self, *args, **kwargs)
+    if pending.keys:
+        envsettings.not_applied(naming.name, type(self), pending.keys)
     try:
         _instruments(self, naming)
         if not naming.explicit:
             _datasets.put(dataset, naming)
+        holder = _holder_on_stack()
+        if holder is not None:
+            _hook_holder(type(holder))
     except Exception:
         log.warning("dataloader-exporter: cannot instrument %r", self, exc_info=True)
 
@@ -219,37 +323,79 @@ def _naming_for(dataset: Any) -> Naming:
     role = role_from_stack()
     if role is not None:
         return Naming(role)
-    return inherited or Naming(_class_name(dataset))
+    if inherited is not None and built_by_framework():  # a framework's copy of a loader
+        return inherited
+    return Naming(_sites.name(user_stack()) or class_name(dataset))
 
 
-def built_by_framework(depth: int = STACK_DEPTH) -> bool:
-    """Whether code of one of FRAMEWORKS is on the calling stack."""
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return False
-        module = frame.f_globals.get("__name__", "")
-        if isinstance(module, str) and module.split(".", 1)[0] in FRAMEWORKS:
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
+# --- holders (webdataset's WebLoader) ---------------------------------------------------
+def is_holder(obj: Any) -> bool:
+    return any(f"{k.__module__}.{k.__qualname__}" in HOLDERS for k in type(obj).__mro__)
 
 
-def role_from_stack(depth: int = STACK_DEPTH) -> str | None:
-    """The role (ROLES) of the nearest framework method on the calling stack, or None."""
-    frame = sys._getframe(1)
-    for _ in range(depth):
+def held_loaders(obj: Any) -> list[Any]:
+    """The torch DataLoaders a holder iterates (its `pipeline`); [] for anything else."""
+    if not is_holder(obj):
+        return []
+    pipeline = getattr(obj, "pipeline", None)
+    if not isinstance(pipeline, list):
+        return []
+    return [s for s in pipeline if isinstance(s, _TorchDataLoader)]
+
+
+def hold(inner: list[Any], dle: Any) -> None:
+    """From now on these loaders' iterations report to a holder's instruments, quietly."""
+    install()
+    for obj in inner:
+        _held.put(obj, dle)
+
+
+def _holder_on_stack() -> Any:
+    """The holder whose __init__ is building a loader right now, if any."""
+    frame = inspect.currentframe()
+    for _ in range(16):
         if frame is None:
             return None
-        role = ROLES.get(frame.f_code.co_name)
-        if role is not None:
-            return role
-        frame = frame.f_back  # type: ignore[assignment]
+        if frame.f_code.co_name == "__init__":
+            obj = frame.f_locals.get("self")
+            if obj is not None and not isinstance(obj, _TorchDataLoader) and is_holder(obj):
+                return obj
+        frame = frame.f_back
     return None
 
 
-def _class_name(dataset: Any) -> str:
-    return _UNSAFE.sub("_", type(dataset).__name__)[:64] or "dataset"
+def _hook_holder(cls: type) -> None:
+    """Measures a holder class's iteration (zero-code mode found it building a loader)."""
+    with _lock:
+        if hasattr(vars(cls).get("__iter__"), _MARK):
+            return
+        original = cls.__iter__  # type: ignore[attr-defined]
+
+        @_mark(original)
+        def hooked(self: Any) -> Any:
+            return _holder_iter(self, original)
+
+        setattr(cls, _ITER, hooked)
+
+
+def _holder_iter(self: Any, original: Callable[[Any], Any]) -> Any:
+    if _inside(self, "iter"):  # wrap() of it measures
+        return original(self)
+    inner = held_loaders(self)
+    dle = next((d for d in map(_loaders.get, inner) if d is not None), None)
+    if dle is None:
+        return original(self)
+    from . import loader
+
+    with _outermost(self, "iter"):
+        return loader.holder_iter(self, inner, dle, original)
+
+
+@contextlib.contextmanager
+def measuring(obj: Any) -> Iterator[None]:
+    """wrap() measures obj's iteration: hooks it reaches pass straight on."""
+    with _outermost(obj, "iter"):
+        yield
 
 
 # --- loaders instrumented by hand ---------------------------------------------------
@@ -282,27 +428,13 @@ def _collected(dle: Any) -> None:
 def never_iterated() -> list[str]:
     """Names of loaders instrumented by hand that never gave a batch, whose name got no
     batch from any other loader either (a framework rebuilt them out of our sight)."""
-    pending = list(_unused)
-    for key in list(_loaders._d):
-        entry = _loaders._d.get(key)
-        dle = entry[1] if entry is not None and entry[0]() is not None else None
-        if dle is not None and dle.explicit and not dle.iterated:
-            pending.append(dle)
+    pending = list(_unused) + [d for d in _loaders.values() if d.explicit and not d.iterated]
     names: list[str] = []
     for dle in pending:
         fed = any(r.name == dle.name and r.batches for r in dle.hub.recorders())
         if not fed and dle.name not in names:
             names.append(dle.name)
     return names
-
-
-_said: set[str] = set()
-
-
-def _say_once(key: str, msg: str, *args: object) -> None:
-    if key not in _said:
-        _said.add(key)
-        log.warning(msg, *args)
 
 
 _exit_registered: list[bool] = []
@@ -318,85 +450,28 @@ def _exit_report() -> None:
 def _at_exit() -> None:
     try:
         for name in never_iterated():
-            _say_once("unused:" + name, "dataloader %r was built but never iterated: a "
-                      "framework probably rebuilt it and iterated its own copy, which was "
-                      "not instrumented. Run the program under `dataloader-exporter run -- "
-                      "...` (or set DATALOADER_EXPORTER_AUTO=1) to instrument every loader "
-                      "without code changes.", name)
-        for name in sorted(unmatched_settings()):
-            _say_once("unmatched:" + name, "%s names loader %r, but no loader of that name "
-                      "was built here (loaders built: %s)", ENV_SETTINGS, name,
-                      ", ".join(sorted(_built)) or "none")
+            if _auto:  # zero-code mode sees every torch loader iterate: nothing did
+                envsettings.say_once("unused:" + name, "dataloader %r was built but never "
+                                     "iterated in this process", name)
+            else:
+                envsettings.say_once(
+                    "unused:" + name, "dataloader %r was built but never iterated: a "
+                    "framework probably rebuilt it and iterated its own copy, which was "
+                    "not instrumented. Run the program under `dataloader-exporter run -- "
+                    "...` (or set DATALOADER_EXPORTER_AUTO=1) to instrument every loader "
+                    "without code changes.", name)
+        for name in sorted(envsettings.unmatched()):
+            envsettings.say_once("unmatched:" + name, "%s names loader %r, but no loader "
+                                 "of that name was built here (loaders built: %s)",
+                                 ENV_SETTINGS, name, ", ".join(envsettings.built()) or "none")
     except Exception:
         log.debug("exit report failed", exc_info=True)
 
 
-# --- settings from the environment --------------------------------------------------
-_parsed: dict[str, tuple[Setting, ...]] = {}
-_built: set[str] = set()  # names of loaders built while a settings line was set
-
-
-def settings_from_env() -> tuple[Setting, ...]:
-    """The parsed $DATALOADER_EXPORTER_SETTINGS (raises SettingsError when bad)."""
-    line = os.environ.get(ENV_SETTINGS, "")
-    if line not in _parsed:
-        _parsed[line] = parse(line)
-    return _parsed[line]
-
-
-def unmatched_settings() -> set[str]:
-    """Loader names the settings line gives that no loader built here had (only in a
-    process that built loaders: a launcher builds none)."""
-    if not _built:
-        return set()
-    return named_loaders(settings_from_env()) - _built
-
-
 def apply_settings(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
                    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """torch DataLoader arguments (without self) with this loader's settings applied.
-
-    A setting that needs workers (prefetch_factor, persistent_workers) is not applied to
-    a loader that has none, with a warning, rather than failing a loader built mid-run;
-    num_workers=0 drops the loader's own prefetch_factor and persistent_workers, which
-    torch refuses without workers.
-    """
-    settings = settings_from_env()
-    if not settings:
-        return args, kwargs
-    _built.add(name)
+    """torch DataLoader arguments (without self) with this loader's settings applied (see
+    envsettings.apply); instrument.DataLoader's __init__ takes torch's arguments."""
     _exit_report()
-    wanted = for_loader(settings, name)
-    if not wanted:
-        return args, kwargs
-    try:
-        bound = _SIGNATURE.bind(None, *args, **kwargs)
-    except TypeError:  # torch will say what is wrong
-        return args, kwargs
-    given = bound.arguments
-
-    def current(key: str) -> Any:
-        return given.get(key, _SIGNATURE.parameters[key].default)
-
-    workers = wanted.get("num_workers", current("num_workers"))
-    for key in ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory"):
-        if key not in wanted:
-            continue
-        value = wanted[key]
-        if key in NEEDS_WORKERS and not workers and value is not False:
-            _say_once(f"skip:{name}:{key}", "dataloader %r: %s.%s=%s not applied: the "
-                      "loader has no workers", name, ENV_SETTINGS, key, value)
-            continue
-        before = current(key)
-        given[key] = value
-        if before != value:
-            _say_once(f"set:{name}:{key}:{value}", "dataloader %r: %s=%s from %s (was %s)",
-                      name, key, value, ENV_SETTINGS, before)
-    if not workers:
-        for key in NEEDS_WORKERS:
-            default = _SIGNATURE.parameters[key].default
-            if current(key) not in (default, None, False):
-                given[key] = default
-                _say_once(f"drop:{name}:{key}", "dataloader %r: %s dropped: %s sets "
-                          "num_workers=0", name, key, ENV_SETTINGS)
-    return bound.args[1:], bound.kwargs
+    args, kwargs, _ = envsettings.apply(name, args, kwargs, TORCH_INIT)
+    return args, kwargs

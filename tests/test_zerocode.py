@@ -21,7 +21,14 @@ from dataloader_exporter.run import autorun_dir
 from exporter import catalogue as cat
 from instrument import zerocode
 
-SETTINGS = ("train.prefetch_factor=3,train.persistent_workers=true,TensorDataset.num_workers=1,"
+def _built_at(start: str) -> str:
+    """The zero-code name of the loader built on the line of plain_torch.py starting so."""
+    lines = (SCRIPTS / "plain_torch.py").read_text().splitlines()
+    return f"plain_torch.py:{next(n for n, line in enumerate(lines, 1) if line.startswith(start))}"
+
+
+PLAIN = _built_at("plain = DataLoader(")
+SETTINGS = (f"train.prefetch_factor=3,train.persistent_workers=true,{PLAIN}.num_workers=1,"
             "trian.pin_memory=true")
 
 
@@ -50,6 +57,19 @@ def test_the_environment_switch_alone_instruments_every_loader_once(env_switch: 
     assert truth["wrapped_is_a_dataloader"]
 
 
+def test_loaders_built_at_different_places_never_share_a_name(env_switch: Run) -> None:
+    """A plain script's train and validation loaders over one dataset class, and two
+    loaders one helper builds for two callers: each its own series and dataloader_info."""
+    truth = env_switch.truth[0]
+    assert truth["plain_at"] == PLAIN and truth["val_at"] != PLAIN
+    helper = [n for n in truth["batches"] if n.count(":") >= 2 or "-" in n]
+    assert len(helper) == 1  # the second caller of the helper: its own name, with its site
+    info = {lab["loader"]: lab for lab in env_switch.labels(0, cat.INFO.name)}
+    assert info[PLAIN]["batch_size"] == "3" and info[truth["val_at"]]["batch_size"] == "1"
+    assert env_switch.value(0, cat.SAMPLES.name, loader=PLAIN) == 6
+    assert env_switch.value(0, cat.SAMPLES.name, loader=truth["val_at"]) == 4
+
+
 def test_a_framework_probe_that_fetches_nothing_is_not_an_epoch(env_switch: Run) -> None:
     assert env_switch.value(0, cat.EPOCHS.name, loader="train") == 2
 
@@ -62,7 +82,7 @@ def test_settings_from_the_environment_are_applied_logged_and_in_dataloader_info
     info = {lab["loader"]: lab for lab in env_switch.labels(0, cat.INFO.name)}
     assert info["train"]["prefetch_factor"] == "3"
     assert info["train"]["persistent_workers"] == "true"
-    assert info["TensorDataset"]["num_workers"] == "1"
+    assert info[PLAIN]["num_workers"] == "1"
     assert "dataloader 'train': prefetch_factor=3 from DATALOADER_EXPORTER_SETTINGS (was None)" \
         in env_switch.log
     assert env_switch.log.count("persistent_workers=True from") == 1  # once, not per epoch
@@ -71,7 +91,8 @@ def test_settings_from_the_environment_are_applied_logged_and_in_dataloader_info
 
 def test_a_loader_built_but_never_iterated_is_reported_once_at_exit(env_switch: Run) -> None:
     assert env_switch.log.count("dataloader 'lonely' was built but never iterated") == 1
-    assert "dataloader-exporter run" in env_switch.log
+    # Zero-code mode is on: the line does not point at it, as if it could do more.
+    assert "dataloader-exporter run" not in env_switch.log
     assert "'mine' was built but never" not in env_switch.log
 
 

@@ -59,9 +59,9 @@ _OPEN_FLAGS = (os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY
 _CHUNK = 1 << 20
 _TRAINER: dict[str, cat.Metric] = {m.name: m for m in cat.ALL if m.source == cat.TRAINER}
 # What instrument/recorder.py writes for every (loader, rank) it knows.
+# (Not samples: a count that cannot be known is left out, instrument/batch.py.)
 _ALWAYS = frozenset(m.name for m in (cat.TIME, cat.STEP, cat.FIRST_BATCH, cat.BATCHES,
-                                     cat.SAMPLES, cat.EPOCHS, cat.TRANSFER_BYTES,
-                                     cat.WORKERS_LOST))
+                                     cat.EPOCHS, cat.TRANSFER_BYTES, cat.WORKERS_LOST))
 _PHASES = frozenset((cat.PHASE_FETCH, cat.PHASE_TRANSFER))
 _WORKER_FAMILIES = (cat.WORKER_CPU.name, cat.WORKER_SAMPLES.name, cat.WORKER_HEARTBEAT.name)
 
@@ -270,7 +270,8 @@ def _consistent(owners: dict[Owner, dict[str, list[Sample]]]) -> None:
             raise _invalid(f"{cat.TIME.name}: not one fetch and one transfer histogram")
         workers = [[s.labels["worker"] for s in by_family.get(name, ())]
                    for name in _WORKER_FAMILIES]
-        if workers[0] != workers[1] or workers[0] != workers[2]:
+        # Every worker with CPU time has a heartbeat; its samples may be unknown.
+        if workers[0] != workers[2] or not set(workers[1]) <= set(workers[0]):
             raise _invalid("the per-worker families name different workers")
         epochs = by_family[cat.EPOCHS.name][0].value
         if epochs > 0 and cat.INFO.name not in by_family:

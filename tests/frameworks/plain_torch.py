@@ -1,8 +1,10 @@
 """Plain torch, run with the environment switch alone. argv: OUT.
 
 Loaders of every kind in one process: one built by a method named like a framework's
-(train_dataloader), one named by nothing but its dataset's class, an explicit
-instrument.DataLoader, a wrap()ped one, and one instrument.DataLoader never iterated.
+(train_dataloader), a plain script's train and validation loaders over one dataset class
+(named by the line that built each), two more built by one helper called from two lines,
+an explicit instrument.DataLoader, a wrap()ped one, and one instrument.DataLoader never
+iterated.
 """
 
 import sys
@@ -33,8 +35,24 @@ def count(loader: object, epochs: int = 1) -> int:
 train = train_dataloader()
 batches = {"train": count(train, 2)}
 iter(train)  # a framework's probe: no batch fetched, so no epoch
-plain = DataLoader(TensorDataset(torch.arange(6.0)), batch_size=3)
-batches["TensorDataset"] = count(plain)
+def site(loader: object) -> str:
+    """Where the loader was built, as zero-code mode names it: FILE:LINE of the caller."""
+    return f"plain_torch.py:{sys._getframe(1).f_lineno}"
+
+
+def helper_loader(n: int) -> DataLoader:  # type: ignore[type-arg]
+    return DataLoader(TensorDataset(torch.arange(float(n))), batch_size=2)
+
+
+plain = DataLoader(TensorDataset(torch.arange(6.0)), batch_size=3); plain_at = site(plain)  # noqa: E702
+val = DataLoader(TensorDataset(torch.arange(4.0)), batch_size=1); val_at = site(val)  # noqa: E702
+batches[plain_at] = count(plain)
+batches[val_at] = count(val)
+first, first_at = helper_loader(4), site(None)
+second, second_at = helper_loader(6), site(None)
+helper_at = f"plain_torch.py:{helper_loader.__code__.co_firstlineno + 1}"
+batches[helper_at] = count(first)
+batches[f"{helper_at}-{second_at}"] = count(second)
 mine = instrument.DataLoader(Squares(), batch_size=6, name="mine")
 batches["mine"] = count(mine)
 wrapped = instrument.wrap(DataLoader(Squares(), batch_size=2), name="wrapped")
@@ -43,4 +61,4 @@ lonely = instrument.DataLoader(Squares(), batch_size=6, name="lonely")
 record(sys.argv[1], 0, batches=batches, wrapped_is_a_dataloader=isinstance(wrapped, DataLoader),
        train={"num_workers": train.num_workers, "prefetch_factor": train.prefetch_factor,
               "persistent_workers": train.persistent_workers},
-       plain_workers=plain.num_workers)
+       plain_workers=plain.num_workers, plain_at=plain_at, val_at=val_at)

@@ -1,0 +1,161 @@
+"""$DATALOADER_EXPORTER_SETTINGS applied to a loader's constructor arguments.
+
+A loader class's own ``__init__`` decides how a setting is passed: as its named parameter
+(torch's DataLoader, torchdata's StatefulDataLoader), else through its ``**kwargs`` (a
+subclass that hands them on to torch's). A setting a class takes neither way is left for
+torch's ``__init__`` if the class calls it, and otherwise named in one log line saying it
+was not applied (zerocode.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.utils.data
+
+from exporter.loadersettings import (
+    ENV_SETTINGS,
+    NEEDS_WORKERS,
+    SETTINGS,
+    Setting,
+    for_loader,
+    named_loaders,
+    parse,
+)
+
+log = logging.getLogger("instrument")
+
+_TORCH = inspect.signature(torch.utils.data.DataLoader.__init__)
+_parsed: dict[str, tuple[Setting, ...]] = {}
+_built: set[str] = set()  # names of loaders built while a settings line was set
+_said: set[str] = set()
+
+
+def say_once(key: str, msg: str, *args: object) -> None:
+    """A warning logged once per key in this process."""
+    if key not in _said:
+        _said.add(key)
+        log.warning(msg, *args)
+
+
+@dataclass
+class Pending:
+    """Settings an outer __init__ could not pass, left for torch's."""
+
+    name: str
+    keys: tuple[str, ...]
+
+
+def from_env() -> tuple[Setting, ...]:
+    """The parsed $DATALOADER_EXPORTER_SETTINGS (raises SettingsError when bad)."""
+    line = os.environ.get(ENV_SETTINGS, "")
+    if line not in _parsed:
+        _parsed[line] = parse(line)
+    return _parsed[line]
+
+
+def built() -> list[str]:
+    return sorted(_built)
+
+
+def unmatched() -> set[str]:
+    """Loader names the settings line gives that no loader built here had (only in a
+    process that built loaders: a launcher builds none)."""
+    if not _built:
+        return set()
+    return named_loaders(from_env()) - _built
+
+
+@functools.cache
+def _signature(function: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+
+
+def apply(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+          function: Callable[..., Any], only: tuple[str, ...] | None = None
+          ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[str, ...]]:
+    """A loader's constructor arguments (without self) with its settings applied, and the
+    settings `function` (its __init__) takes no way to pass.
+
+    A setting that needs workers (prefetch_factor, persistent_workers) is not applied to
+    a loader that has none, with a warning, rather than failing a loader built mid-run;
+    num_workers=0 drops the loader's own prefetch_factor and persistent_workers, which
+    torch refuses without workers. only: apply just these settings (the rest were).
+    """
+    settings = from_env()
+    if not settings:
+        return args, kwargs, ()
+    _built.add(name)
+    wanted = for_loader(settings, name)
+    if only is not None:
+        wanted = {k: v for k, v in wanted.items() if k in only}
+    sig = _signature(function)
+    if not wanted or sig is None:
+        return args, kwargs, tuple(wanted)
+    try:
+        bound = sig.bind(None, *args, **kwargs)
+    except TypeError:  # the constructor will say what is wrong
+        return args, kwargs, ()
+    given = bound.arguments
+    extra_name = next((p.name for p in sig.parameters.values()
+                       if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    extra: dict[str, Any] = given.setdefault(extra_name, {}) if extra_name else {}
+
+    def place(key: str) -> dict[str, Any] | None:
+        """Where a setting goes: a named parameter, else **kwargs, else nowhere."""
+        param = sig.parameters.get(key)
+        if param is not None and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                inspect.Parameter.KEYWORD_ONLY):
+            return given
+        return extra if extra_name else None
+
+    def current(key: str) -> Any:
+        where = place(key)
+        if where is not None and key in where:
+            return where[key]
+        param = sig.parameters.get(key)
+        if param is not None and param.default is not inspect.Parameter.empty:
+            return param.default
+        return _TORCH.parameters[key].default
+
+    left = tuple(k for k in SETTINGS if k in wanted and place(k) is None)
+    workers = wanted.get("num_workers", current("num_workers"))
+    for key in SETTINGS:
+        where = place(key)
+        if key not in wanted or where is None:
+            continue
+        value = wanted[key]
+        if key in NEEDS_WORKERS and not workers and value is not False:
+            say_once(f"skip:{name}:{key}", "dataloader %r: %s.%s=%s not applied: the "
+                     "loader has no workers", name, ENV_SETTINGS, key, value)
+            continue
+        before = current(key)
+        where[key] = value
+        if before != value:
+            say_once(f"set:{name}:{key}:{value}", "dataloader %r: %s=%s from %s (was %s)",
+                     name, key, value, ENV_SETTINGS, before)
+    if not workers:
+        for key in NEEDS_WORKERS:
+            where = place(key)
+            default = _TORCH.parameters[key].default
+            if where is not None and current(key) not in (default, None, False):
+                where[key] = default
+                say_once(f"drop:{name}:{key}", "dataloader %r: %s dropped: %s sets "
+                         "num_workers=0", name, key, ENV_SETTINGS)
+    return bound.args[1:], bound.kwargs, left
+
+
+def not_applied(name: str, cls: type, keys: tuple[str, ...]) -> None:
+    """One line for settings a loader class takes no way to pass."""
+    say_once(f"left:{name}:{','.join(keys)}", "dataloader %r: %s for %s not applied: %s."
+             "__init__ takes no such argument and does not pass it to torch's DataLoader",
+             name, ENV_SETTINGS, ", ".join(keys), cls.__qualname__)
