@@ -18,13 +18,14 @@ class Report:
     machine: Machine
     diagnoses: list[Diagnosis]
     jobs: list[Job] = field(default_factory=list)
+    whole_run: bool = False  # figures over each loader's whole run, not a window
 
     @property
     def healthy(self) -> bool:
         return all(d.healthy for d in self.diagnoses)
 
     def as_dict(self) -> dict[str, object]:
-        return {"source": self.source, "healthy": self.healthy,
+        return {"source": self.source, "healthy": self.healthy, "whole_run": self.whole_run,
                 "machine": self.machine.as_dict(),
                 "jobs": [j.as_dict() | {"verdict": verdict(j.input_stall_share, 1)}
                          for j in self.jobs],
@@ -64,7 +65,7 @@ def _rank_lines(d: Diagnosis, multi: bool) -> list[str]:
     lines = [f"loader {d.loader}, rank {d.rank}: {VERDICTS[d.verdict]} - the loop waited "
              f"{pct(f['stall_share'])} of the time for data; "
              f"{f['batches_per_second'] or 0:.1f} batches/s, "
-             f"{f['samples_per_second'] or 0:.0f} samples/s, fetch p95 "
+             f"{_per_second(f['samples_per_second'], 'samples')}, fetch p95 "
              f"{ms(f['fetch_p95_seconds'])}"]
     step, wait = f["step_per_batch_seconds"], f["waiting_for_other_ranks_seconds_per_batch"]
     if multi and step is not None and wait is not None:
@@ -80,10 +81,16 @@ def _rank_lines(d: Diagnosis, multi: bool) -> list[str]:
     return [*lines, ""]
 
 
+def _per_second(x: float | None, what: str) -> str:
+    """A rate as printed; an unknown one says so rather than 0."""
+    return f"{what}/s unknown" if x is None else f"{x:.0f} {what}/s"
+
+
 def build_report(source: str, machine: Machine, signals: list[LoaderSignals],
-                 local_ranks: dict[str, int] | int) -> Report:
+                 local_ranks: dict[str, int] | int, whole_run: bool = False) -> Report:
     """Diagnoses every (loader, rank) with its job's view; local_ranks is one count for
-    every rank, or each rank's count of ranks that share its machine."""
+    every rank, or each rank's count of ranks that share its machine; whole_run: the
+    signals are whole runs' totals (Window.whole_run), not a window's."""
     views = jobs(signals)
     by_loader = {j.loader: j for j in views}
 
@@ -94,7 +101,7 @@ def build_report(source: str, machine: Machine, signals: list[LoaderSignals],
 
     return Report(source, machine,
                   [diagnose(s, machine, local(s.rank), by_loader.get(s.loader))
-                   for s in signals], views)
+                   for s in signals], views, whole_run)
 
 
 def env_line(report: Report) -> tuple[str, list[str]]:

@@ -3,7 +3,9 @@
 Shared by `doctor` and `top`. A window is two readings of the same series: counters and
 histograms are read as their increase over the window (resets count from zero, as
 Prometheus's increase() does), gauges as their latest value. Windows come from two
-scrapes of /metrics or from Prometheus's increase() over a time range.
+scrapes of /metrics or reads of a snapshot directory, or from Prometheus's increase()
+over a time range. A run that has ended is read whole from one reading (Window.whole_run):
+its totals over its loop time, since an ended run has no window worth reading.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from exporter import catalogue as cat
 
 Labels = tuple[tuple[str, str], ...]
 Series = dict[tuple[str, Labels], float]
+_TIME_SUM, _STEP_SUM, _FETCH = cat.TIME.name + "_sum", cat.STEP.name + "_sum", cat.PHASE_FETCH
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class Window:
     change: Series = field(default_factory=dict)  # gauges: latest minus first value
     # rank -> ranks on its machine (one exporter instance); None: the ranks in the window
     local_ranks: dict[str, int] | None = None
+    # (loader, rank) -> its seconds, where they are its own (a whole run); None: `seconds`
+    loop_seconds: dict[tuple[str, str], float] | None = None
 
     @classmethod
     def between(cls, first: Scrape, second: Scrape) -> Window:
@@ -64,6 +69,46 @@ class Window:
             inc[key] = v - before if v >= before else v  # a reset: count from zero
             change[key] = v - before
         return cls(max(second.at - first.at, 1e-9), inc, dict(second.series), change)
+
+    @classmethod
+    def whole_run(cls, scrape: Scrape) -> Window:
+        """The run so far from one reading: counters and histograms as their totals (an
+        increase from zero), gauges as latest values, and each (loader, rank)'s seconds
+        its loop time, fetch wait plus step. Snapshot files carry no start time, and the
+        loop time makes every rate one per second of training loop, which is honest."""
+        loop: dict[tuple[str, str], float] = {}
+        for (name, labels), v in scrape.series.items():
+            d = dict(labels)
+            if "loader" in d and "rank" in d and (
+                    name == _STEP_SUM or (name == _TIME_SUM and d.get("phase") == _FETCH)):
+                key = (d["loader"], d["rank"])
+                loop[key] = loop.get(key, 0.0) + v
+        return cls(max(loop.values(), default=0.0), dict(scrape.series), dict(scrape.series),
+                   loop_seconds=loop)
+
+    @property
+    def is_whole_run(self) -> bool:
+        return self.loop_seconds is not None
+
+    def seconds_of(self, loader: str, rank: str) -> float:
+        """The seconds a (loader, rank)'s rates are over."""
+        if self.loop_seconds is None:
+            return self.seconds
+        return self.loop_seconds.get((loader, rank), 0.0)
+
+
+def window_of(first: Scrape, second: Scrape) -> Window:
+    """The window between two readings; or, when no loader handed out a batch between
+    them but some had before, the whole run from the second (the run has ended: its
+    totals say more than "idle"). A run where any loader is busy keeps its window."""
+    window = Window.between(first, second)
+    if not _handed_out(window.increase) and _handed_out(second.series):
+        return Window.whole_run(second)
+    return window
+
+
+def _handed_out(series: Series) -> bool:
+    return any(v > 0 for (name, _), v in series.items() if name == cat.BATCHES.name)
 
 
 def _get(series: Series, name: str, **labels: str) -> float | None:
@@ -100,7 +145,7 @@ class LoaderSignals:
     transfer_seconds: float = 0.0
     transfer_bytes: float = 0.0
     batches: float = 0.0
-    samples: float = 0.0
+    samples: float | None = None  # None: not exported, its count cannot be known
     epochs: float = 0.0
     fetch_p50: float | None = None
     fetch_p95: float | None = None
@@ -131,7 +176,10 @@ class LoaderSignals:
         return self.batches / self.seconds if self.seconds else 0.0
 
     @property
-    def samples_per_second(self) -> float:
+    def samples_per_second(self) -> float | None:
+        """None when the sample count is unknown (never 0 for unknown)."""
+        if self.samples is None:
+            return None
         return self.samples / self.seconds if self.seconds else 0.0
 
     @property
@@ -183,12 +231,12 @@ def _signals(w: Window, loader: str, rank: str) -> LoaderSignals:
     inc, last = w.increase, w.latest
     fetch = {**lr, "phase": cat.PHASE_FETCH}
     transfer = {**lr, "phase": cat.PHASE_TRANSFER}
-    s = LoaderSignals(loader, rank, seconds=w.seconds)
+    s = LoaderSignals(loader, rank, seconds=w.seconds_of(loader, rank))
     s.fetch_seconds = _get(inc, cat.TIME.name + "_sum", **fetch) or 0.0
     s.transfer_seconds = _get(inc, cat.TIME.name + "_sum", **transfer) or 0.0
     s.step_seconds = _get(inc, cat.STEP.name + "_sum", **lr) or 0.0
     s.batches = _get(inc, cat.BATCHES.name, **lr) or 0.0
-    s.samples = _get(inc, cat.SAMPLES.name, **lr) or 0.0
+    s.samples = _get(inc, cat.SAMPLES.name, **lr)  # None: unknown, not 0
     s.epochs = _get(inc, cat.EPOCHS.name, **lr) or 0.0
     s.transfer_bytes = _get(inc, cat.TRANSFER_BYTES.name, **lr) or 0.0
     window_buckets = _buckets(inc, cat.TIME.name + "_bucket", fetch)

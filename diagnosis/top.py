@@ -35,10 +35,12 @@ def _pct(x: float | None) -> str:
 
 def row(s: LoaderSignals) -> str:
     p95 = "-" if s.fetch_p95 is None else f"{s.fetch_p95 * 1000:.1f} ms"
+    per_s = s.samples_per_second
+    samples = "-" if per_s is None else f"{per_s:.0f}"  # unknown, not 0
     workers = "-" if s.workers_configured is None else (
         f"{s.workers_active or 0:.0f}/{s.workers_configured:.0f}")
     return (f"{s.loader[:16]:<16} {s.rank:>4} {_pct(s.stall_share):>6} {p95:>10} "
-            f"{s.batches_per_second:>8.1f} {s.samples_per_second:>9.0f} {workers:>8} "
+            f"{s.batches_per_second:>8.1f} {samples:>9} {workers:>8} "
             f"{_pct(s.shm_fill):>5} {_pct(s.gpu_utilization):>5}")
 
 

@@ -24,9 +24,10 @@ from instrument.demo import NoisyImages, model, train_step
 def summary(name: str) -> str:
     """The run so far, read back through the same signals the doctor uses."""
     now = Scrape.parse(generate_latest(instrument.default_registry()).decode())
-    s = next(x for x in loaders(Window.between(Scrape(now.at, {}), now)) if x.loader == name)
+    s = next(x for x in loaders(Window.whole_run(now)) if x.loader == name)
     share = "-" if s.stall_share is None else f"{s.stall_share:.0%}"
-    return (f"{name}: {s.batches:.0f} batches, {s.samples:.0f} samples; input stall share "
+    samples = "unknown" if s.samples is None else f"{s.samples:.0f}"
+    return (f"{name}: {s.batches:.0f} batches, {samples} samples; input stall share "
             f"{share} (fetch wait {s.fetch_seconds:.2f} s vs step {s.step_seconds:.2f} s); "
             f"first batch {s.first_batch_mean or 0:.2f} s per epoch")
 

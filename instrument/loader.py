@@ -57,6 +57,7 @@ class _Instruments:
         self.metrics_dir = metrics_dir
         self.port = port
         self.explicit = explicit
+        self.loader_class: type | None = None  # the class of the loader adopted (zerocode)
         self.iterated = False
         self.gpu_checked = False  # to_device onto CUDA has looked up the GPU's UUID
         self.hub: Hub = hub_for(registry)

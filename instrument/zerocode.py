@@ -403,6 +403,7 @@ def adopt(loader_obj: Any, dle: Any) -> None:
     """Instruments a loader through the hook, and the copies frameworks build of it."""
     install()
     _loaders.put(loader_obj, dle)
+    dle.loader_class = type(loader_obj)
     naming = Naming(dle.name, dle.registry, dle.metrics_dir, dle.port, explicit=True)
     dataset = getattr(loader_obj, "dataset", None)
     if dataset is not None:
@@ -447,10 +448,33 @@ def _exit_report() -> None:
         atexit.register(_at_exit)
 
 
+def unmeasurable(cls: type | None) -> bool:
+    """Whether iterating a DataLoader of this class runs no hook of ours: an __iter__ that
+    is a generator function (hooks leave those alone, as they usually call torch's later,
+    see _hook_class) in a class of its own."""
+    it = getattr(cls, "__iter__", None)
+    return (cls is not None and inspect.isgeneratorfunction(it) and not hasattr(it, _MARK)
+            and it is not TORCH_ITER)
+
+
+def _classes_of(name: str) -> list[type]:
+    pending = list(_unused) + _loaders.values()
+    return [d.loader_class for d in pending if d.name == name and unmeasurable(d.loader_class)]
+
+
 def _at_exit() -> None:
     try:
         for name in never_iterated():
-            if _auto:  # zero-code mode sees every torch loader iterate: nothing did
+            odd = _classes_of(name)
+            if odd:  # neither mode can time it: say so, and what would
+                envsettings.say_once(
+                    "unused:" + name, "dataloader %r: no batch of it was measured. %s.__iter__"
+                    " is a generator that does not go through torch's DataLoader.__iter__, "
+                    "which neither instrument.wrap() of the loader nor zero-code mode can "
+                    "time; to measure it, time the loop's own iterator with "
+                    "instrument.wrap(iter(loader), name=...) each epoch", name,
+                    odd[0].__qualname__)
+            elif _auto:  # zero-code mode sees every torch loader iterate: nothing did
                 envsettings.say_once("unused:" + name, "dataloader %r was built but never "
                                      "iterated in this process", name)
             else:

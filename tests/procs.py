@@ -30,6 +30,14 @@ HF_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_O
               "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def built_at(script: str, start: str) -> str:
+    """The name zero-code mode gives a loader built on the first line of a script in
+    SCRIPTS that starts (indentation aside) with `start`: FILE:LINE (instrument/naming.py)."""
+    lines = (SCRIPTS / script).read_text().splitlines()
+    line = next(n for n, text in enumerate(lines, 1) if text.lstrip().startswith(start))
+    return f"{script}:{line}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,7 +25,7 @@ from diagnosis.signals import LoaderSignals, quantile
 from exporter.facts.storage import storage_kind
 
 INTERVAL = 1.5
-TOP_KEYS = {"healthy", "machine", "jobs", "loaders", "source"}
+TOP_KEYS = {"healthy", "machine", "jobs", "loaders", "source", "whole_run"}
 JOB_KEYS = {"loader", "ranks", "input_stall_share", "stragglers"}
 LOADER_KEYS = {"loader", "rank", "verdict", "figures", "findings", "recommendations", "healthy",
                "unknowns"}

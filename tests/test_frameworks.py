@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 from conftest import require_module
-from procs import REPO, SCRIPTS, Run, run_script
+from procs import REPO, SCRIPTS, Run, built_at, run_script
 from prometheus_client import CollectorRegistry
 
 from exporter import catalogue as cat
 from instrument import zerocode
+
+ACCELERATE_LOADER = built_at("accelerate_train.py", "loader = DataLoader(")
 
 
 def zero_code(tmp: Path, *command: str) -> Run:
@@ -78,15 +80,15 @@ def assert_workers_seen_honestly(run: Run, loader: str) -> None:
 
 def test_accelerate_under_torchrun_counts_each_ranks_steps_with_no_code(
         accelerate_torchrun: Run) -> None:
-    # No name anywhere in the script: the loader is named after its dataset's class.
-    assert_counts_match_the_script(accelerate_torchrun, 2, "Points", 2)
+    # No name anywhere in the script: the loader is named after the line that built it.
+    assert_counts_match_the_script(accelerate_torchrun, 2, ACCELERATE_LOADER, 2)
     for rank in (0, 1):
         assert accelerate_torchrun.truth[rank]["per_epoch"] == [16, 16]  # 256 / 8 / 2 ranks
 
 
 def test_accelerate_prepared_loader_has_worker_series_and_no_false_worker_loss(
         accelerate_torchrun: Run) -> None:
-    assert_workers_seen_honestly(accelerate_torchrun, "Points")
+    assert_workers_seen_honestly(accelerate_torchrun, ACCELERATE_LOADER)
     info = accelerate_torchrun.labels(0, cat.INFO.name)
     assert len(info) == 1 and info[0]["batch_size"] == "8"  # read from Accelerate's sampler
 

@@ -159,3 +159,58 @@ def test_a_collection_during_a_scrape_never_counts_a_generation_twice(
             del prime
     finally:
         gc.set_threshold(*threshold)
+
+
+def _workers_active_in(path: str) -> float | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(cat.WORKERS_ACTIVE.name + "{"):
+                    return float(line.rsplit(" ", 1)[1])
+    except FileNotFoundError:
+        pass
+    return None
+
+
+def test_snapshots_show_the_workers_of_short_epochs_and_none_after_the_last(
+        registry: CollectorRegistry, tmp_path: Any) -> None:
+    """Epochs far shorter than the snapshot interval, workers not persistent: alive nearly
+    all the time (torch restarts them at each iter()), and the snapshots must say so,
+    not 0 because each was written as an epoch ended; the last, after the loop, says 0."""
+    loader = instrument.DataLoader(SleepDataset(8, 0.01), batch_size=2, num_workers=2,
+                                   name="t", registry=registry)
+    writer = instrument.hub_for(registry).write_snapshots(str(tmp_path), interval=0.2)
+    readings: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:  # every version of the file, as a sidecar scraping it would see it
+        seen = None
+        while not done.is_set():
+            try:
+                st = os.stat(writer.path)
+            except FileNotFoundError:
+                st = None
+            if st is not None and (st.st_ino, st.st_mtime_ns) != seen:
+                seen = (st.st_ino, st.st_mtime_ns)
+                active = _workers_active_in(writer.path)
+                if active is not None:
+                    readings.append(active)
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    alive = epochs = 0.0
+    end = time.monotonic() + 2.5
+    while time.monotonic() < end:
+        start = time.monotonic()
+        for _ in loader:
+            pass
+        alive += time.monotonic() - start  # from iter() to the end: workers alive
+        epochs += 1
+    done.set()
+    poller.join()
+    assert epochs >= 3 and alive / 2.5 > 0.8  # short epochs, workers alive most of the time
+    assert len(readings) >= 5
+    assert sum(r == 2 for r in readings) >= len(readings) / 2, readings
+    writer.close()  # the last snapshot, as at exit
+    assert _workers_active_in(writer.path) == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import SleepDataset, value
-from procs import REPO, SCRIPTS, Run, run_script
+from procs import REPO, SCRIPTS, Run, built_at, run_script
 from prometheus_client import CollectorRegistry
 from torch.utils.data import DataLoader as TorchDataLoader
 
@@ -21,13 +21,7 @@ from dataloader_exporter.run import autorun_dir
 from exporter import catalogue as cat
 from instrument import zerocode
 
-def _built_at(start: str) -> str:
-    """The zero-code name of the loader built on the line of plain_torch.py starting so."""
-    lines = (SCRIPTS / "plain_torch.py").read_text().splitlines()
-    return f"plain_torch.py:{next(n for n, line in enumerate(lines, 1) if line.startswith(start))}"
-
-
-PLAIN = _built_at("plain = DataLoader(")
+PLAIN = built_at("plain_torch.py", "plain = DataLoader(")
 SETTINGS = (f"train.prefetch_factor=3,train.persistent_workers=true,{PLAIN}.num_workers=1,"
             "trian.pin_memory=true")
 

@@ -4,7 +4,7 @@ import sys
 
 import torch
 from accelerate import Accelerator
-from common import Points, record, workers_seen
+from common import Points, record, site, workers_seen
 from torch.utils.data import DataLoader
 
 EPOCHS = 2
@@ -14,7 +14,7 @@ def main(out: str) -> None:
     acc = Accelerator(cpu=True)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(Points(256), batch_size=8, num_workers=1, shuffle=True)
+    loader = DataLoader(Points(256), batch_size=8, num_workers=1, shuffle=True); name = site()  # noqa: E702
     model, opt, loader = acc.prepare(model, opt, loader)
     steps, per_epoch, seen = 0, [], []
     for _ in range(EPOCHS):
@@ -27,7 +27,7 @@ def main(out: str) -> None:
             n += 1
             steps += 1
             if n == 8:  # mid-epoch, batches flowing: what do the metrics say?
-                seen.append(workers_seen(steps, "Points"))
+                seen.append(workers_seen(steps, name))
         per_epoch.append(n)
     record(out, acc.process_index, steps=steps, per_epoch=per_epoch, seen=seen)
     acc.end_training()

@@ -10,7 +10,7 @@ iterated.
 import sys
 
 import torch
-from common import record
+from common import record, site
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import instrument
@@ -35,21 +35,16 @@ def count(loader: object, epochs: int = 1) -> int:
 train = train_dataloader()
 batches = {"train": count(train, 2)}
 iter(train)  # a framework's probe: no batch fetched, so no epoch
-def site(loader: object) -> str:
-    """Where the loader was built, as zero-code mode names it: FILE:LINE of the caller."""
-    return f"plain_torch.py:{sys._getframe(1).f_lineno}"
-
-
 def helper_loader(n: int) -> DataLoader:  # type: ignore[type-arg]
     return DataLoader(TensorDataset(torch.arange(float(n))), batch_size=2)
 
 
-plain = DataLoader(TensorDataset(torch.arange(6.0)), batch_size=3); plain_at = site(plain)  # noqa: E702
-val = DataLoader(TensorDataset(torch.arange(4.0)), batch_size=1); val_at = site(val)  # noqa: E702
+plain = DataLoader(TensorDataset(torch.arange(6.0)), batch_size=3); plain_at = site()  # noqa: E702
+val = DataLoader(TensorDataset(torch.arange(4.0)), batch_size=1); val_at = site()  # noqa: E702
 batches[plain_at] = count(plain)
 batches[val_at] = count(val)
-first, first_at = helper_loader(4), site(None)
-second, second_at = helper_loader(6), site(None)
+first = helper_loader(4)
+second, second_at = helper_loader(6), site()
 helper_at = f"plain_torch.py:{helper_loader.__code__.co_firstlineno + 1}"
 batches[helper_at] = count(first)
 batches[f"{helper_at}-{second_at}"] = count(second)

@@ -1,0 +1,304 @@
+"""`doctor --metrics-dir`: the trainer's snapshot files, read while the run goes on or
+after it has ended (the whole run), written by the real writer in a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import deadline_poll, parse
+from procs import REPO, Exporter, finish
+
+from diagnosis import top
+from diagnosis.machine import Machine
+from diagnosis.report import build_report
+from diagnosis.signals import Labels, LoaderSignals, Scrape, Series, loaders, window_of
+from exporter import catalogue as cat
+from exporter.loadersettings import ENV_SETTINGS
+
+# A training script: iterates `epochs` epochs of a loader named "train" (or, with a stop
+# file, until it appears), then writes what it handed out to truth.json and exits; the
+# snapshot writer writes its last file at exit.
+TRAIN = """
+import json, sys, time
+from pathlib import Path
+import instrument
+from helpers import SleepDataset
+a = json.loads(sys.argv[1])
+loader = instrument.DataLoader(SleepDataset(a["n"], a["delay"]), batch_size=a["batch_size"],
+                               name="train", metrics_dir=a["dir"])
+batches = samples = epochs = 0
+stop = Path(a["stop"]) if a["stop"] else None
+while (stop is None and epochs < a["epochs"]) or (stop is not None and not stop.exists()):
+    for x, _ in loader:
+        batches += 1
+        samples += len(x)
+    epochs += 1
+Path(a["dir"], "..", "truth.json").write_text(json.dumps({"batches": batches,
+                                                         "samples": samples}))
+"""
+TRUTH = "truth.json"
+
+
+def train(out: Path, n: int = 24, delay: float = 0.01, batch_size: int | None = 4,
+          epochs: int = 2, stop: Path | None = None) -> subprocess.Popen[bytes]:
+    """Starts the training script writing snapshots to out/m, its log to out/train.log;
+    its truth lands in out."""
+    (out / "m").mkdir(parents=True, exist_ok=True)
+    args = {"dir": str(out / "m"), "n": n, "delay": delay, "batch_size": batch_size,
+            "epochs": epochs, "stop": str(stop) if stop else ""}
+    with open(out / "train.log", "w") as log:
+        return subprocess.Popen([sys.executable, "-c", TRAIN, json.dumps(args)], cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": "tests:."},
+                                stdout=subprocess.DEVNULL, stderr=log)
+
+
+def trained(out: Path, **kwargs: Any) -> dict[str, float]:
+    """Runs the training script to its end; what it handed out."""
+    proc = train(out, **kwargs)
+    assert proc.wait(timeout=120) == 0, (out / "train.log").read_text()
+    return dict(json.loads((out / TRUTH).read_text()))
+
+
+def written_ago(directory: Path, seconds: float) -> None:
+    """Sets the files' modification time: last written `seconds` ago."""
+    when = time.time() - seconds
+    for path in directory.iterdir():
+        os.utime(path, (when, when))
+
+
+@pytest.fixture(scope="module")
+def ended(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, float]]:
+    """A run that ended a minute ago, input-bound (slow samples, num_workers=0): its
+    directory and what it handed out."""
+    out = tmp_path_factory.mktemp("ended")
+    truth = trained(out)
+    written_ago(out / "m", 60)
+    return out / "m", truth
+
+
+def copy_of(ended: tuple[Path, dict[str, float]], tmp_path: Path) -> Path:
+    """The ended run's files as a copy (modification times kept), for one test to alter."""
+    return Path(shutil.copytree(ended[0], tmp_path / "copy"))
+
+
+def doctor(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dataloader_exporter", "doctor", *argv],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+
+
+def as_json(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert result.returncode in (0, 1), result.stderr
+    return dict(json.loads(result.stdout))
+
+
+def train_rank0(report: dict[str, Any]) -> dict[str, Any]:
+    [found] = [d for d in report["loaders"] if (d["loader"], d["rank"]) == ("train", "0")]
+    return dict(found)
+
+
+def loop_seconds(directory: Path) -> float:
+    """The files' fetch wait plus step sums: the loop time of loader train, rank 0."""
+    series = parse("".join(p.read_text() for p in directory.glob("*.prom")))
+    lr = (("loader", "train"), ("rank", "0"))
+    fetch = series[(cat.TIME.name + "_sum", (lr[0], ("phase", cat.PHASE_FETCH), lr[1]))]
+    return fetch + series[(cat.STEP.name + "_sum", lr)]
+
+
+def test_an_ended_input_bound_run_is_diagnosed_from_its_files(
+        ended: tuple[Path, dict[str, float]]) -> None:
+    directory = ended[0]
+    result = doctor("--metrics-dir", str(directory))
+    assert result.returncode == 1, result.stderr
+    head = result.stdout.splitlines()[0]
+    assert head == (f"dataloader doctor: {directory}, whole run (the files are no longer "
+                    "written): rates per second of loop time")
+    assert "loader train, rank 0: INPUT-BOUND" in result.stdout
+    assert "num_workers=" in result.stdout and result.stderr == ""
+
+
+def test_the_whole_run_in_json_holds_what_the_script_handed_out(
+        ended: tuple[Path, dict[str, float]]) -> None:
+    directory, truth = ended
+    report = as_json(doctor("--metrics-dir", str(directory), "--format", "json"))
+    figures = train_rank0(report)["figures"]
+    assert report["whole_run"] is True and "whole run" in report["source"]
+    assert figures["batches"] == truth["batches"] == 12
+    assert figures["samples"] == truth["samples"] == 48
+    assert figures["window_seconds"] == pytest.approx(loop_seconds(directory), rel=1e-9)
+    assert figures["batches_per_second"] == pytest.approx(
+        truth["batches"] / loop_seconds(directory), rel=1e-9)
+    assert train_rank0(report)["verdict"] == "input-bound" and not report["healthy"]
+
+
+def test_the_env_format_prints_the_advice_for_an_ended_run(
+        ended: tuple[Path, dict[str, float]]) -> None:
+    result = doctor("--metrics-dir", str(ended[0]), "--format", "env")
+    assert result.returncode == 0, result.stderr
+    [line] = result.stdout.splitlines()
+    assert line.startswith(f"{ENV_SETTINGS}=") and "train.num_workers=" in line
+    assert "train.persistent_workers=true" in line
+
+
+def test_a_run_that_ended_just_now_is_read_twice_then_whole(
+        ended: tuple[Path, dict[str, float]], tmp_path: Path) -> None:
+    directory = copy_of(ended, tmp_path)
+    written_ago(directory, 0)  # fresh files, but nothing moves between the reads
+    report = as_json(doctor("--metrics-dir", str(directory), "--interval", "0.3",
+                            "--format", "json"))
+    assert report["whole_run"] is True
+    assert report["source"] == (f"{directory}, whole run (no batch in 0.3 s between reads: "
+                                "the run has ended): rates per second of loop time")
+    assert train_rank0(report)["figures"]["batches"] == ended[1]["batches"]
+
+
+def test_the_doctor_never_deletes_nor_skips_an_old_file(
+        ended: tuple[Path, dict[str, float]], tmp_path: Path) -> None:
+    directory = copy_of(ended, tmp_path)
+    long_ago = time.time() - 90 * 24 * 3600
+    [snapshot] = directory.glob("*.prom")
+    leftover = directory / f"{snapshot.name}.123.456"  # a writer killed mid-write leaves it
+    leftover.write_text("half a file")
+    for path in (snapshot, leftover):  # far past the sidecar's stale and remove ages
+        os.utime(path, (long_ago, long_ago))
+    report = as_json(doctor("--metrics-dir", str(directory), "--format", "json"))
+    assert snapshot.exists() and leftover.exists()
+    assert train_rank0(report)["figures"]["batches"] == ended[1]["batches"]
+
+
+def test_an_empty_or_missing_directory_is_unreadable_in_one_line(tmp_path: Path) -> None:
+    for directory, says in ((tmp_path, "no snapshot file (*.prom) in"),
+                            (tmp_path / "missing", "No such file or directory")):
+        result = doctor("--metrics-dir", str(directory))
+        assert result.returncode == 2 and result.stdout == ""
+        [line] = result.stderr.splitlines()
+        assert line.startswith("dataloader-exporter doctor: cannot read the metrics")
+        assert says in line and str(directory) in line
+
+
+def test_a_directory_of_only_a_corrupt_file_is_unreadable_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "vm-1-abc.prom").write_bytes(b"\x00\xffnot metrics at all\n")
+    result = doctor("--metrics-dir", str(tmp_path), "--format", "json")
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert "no valid snapshot file" in line and "1 file in" in line and "malformed" in line
+
+
+def test_corrupt_files_beside_good_ones_are_skipped_and_counted(
+        ended: tuple[Path, dict[str, float]], tmp_path: Path) -> None:
+    directory = copy_of(ended, tmp_path)
+    (directory / "vm-1-abc.prom").write_text("dataloader_batches_total{loader=\n")
+    (directory / "vm-2-abc.prom").write_text("# TYPE x counter\nx 1\n")
+    result = doctor("--metrics-dir", str(directory), "--format", "json")
+    assert train_rank0(as_json(result))["figures"]["batches"] == ended[1]["batches"]
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"dataloader-exporter doctor: skipped 2 files in {directory} "
+                           "that are not valid snapshots (")
+
+
+def test_a_live_run_is_read_twice_as_a_window(tmp_path: Path) -> None:
+    stop = tmp_path / "stop"
+    proc = train(tmp_path, n=16, delay=0.005, stop=stop)
+    try:
+        wrote = deadline_poll(lambda: any(
+            f"{cat.BATCHES.name}{{" in p.read_text() for p in (tmp_path / "m").glob("*.prom")),
+            timeout=60)
+        assert wrote, "no snapshot with batches"
+        result = doctor("--metrics-dir", str(tmp_path / "m"), "--interval", "1",
+                        "--format", "json")
+    finally:
+        assert finish(proc, stop, timeout=30) == 0
+    report = as_json(result)
+    figures = train_rank0(report)["figures"]
+    assert report["whole_run"] is False
+    assert report["source"] == f"{tmp_path / 'm'}, 1 s between reads"
+    assert figures["batches"] > 0 and 0.9 < figures["window_seconds"] < 10
+    assert train_rank0(report)["verdict"] == "input-bound"
+
+
+def test_the_sidecar_of_a_run_that_has_ended_gives_whole_run_figures_not_idle(
+        ended: tuple[Path, dict[str, float]], tmp_path: Path) -> None:
+    directory = copy_of(ended, tmp_path)
+    exporter = Exporter(f"--metrics-dir={directory}", "--no-collector.gpu",
+                        "--stale-after=3600")
+    try:
+        url = exporter.url + "/metrics"
+        report = as_json(doctor("--url", url, "--interval", "0.3", "--format", "json"))
+    finally:
+        exporter.stop()
+    d = train_rank0(report)
+    assert report["whole_run"] is True
+    assert report["source"] == (f"{url}, whole run (no batch in 0.3 s between scrapes: the "
+                                "run has ended): rates per second of loop time")
+    assert d["verdict"] == "input-bound" and d["figures"]["batches"] == ended[1]["batches"]
+    assert d["figures"]["window_seconds"] == pytest.approx(loop_seconds(directory), rel=1e-9)
+
+
+def test_samples_that_cannot_be_counted_are_unknown_not_zero(tmp_path: Path) -> None:
+    # batch_size=None: the dataset's items are the batches, and a lone tensor beside an
+    # index cannot say how many samples it holds, so the trainer exports no count.
+    trained(tmp_path, n=8, delay=0.0, batch_size=None, epochs=1)
+    directory = tmp_path / "m"
+    assert cat.SAMPLES.name + "{" not in "".join(p.read_text() for p in directory.glob("*"))
+    text = doctor("--metrics-dir", str(directory))
+    assert "samples/s unknown" in text.stdout and " 0 samples/s" not in text.stdout
+    figures = train_rank0(as_json(doctor("--metrics-dir", str(directory), "--format",
+                                         "json")))["figures"]
+    assert figures["samples"] is None and figures["samples_per_second"] is None
+    assert figures["batches"] == 8
+
+
+def test_top_shows_unknown_samples_as_a_dash_and_known_ones_as_a_rate() -> None:
+    unknown = LoaderSignals("train", "0", seconds=2.0, batches=10)
+    known = LoaderSignals("train", "1", seconds=2.0, batches=10, samples=40)
+    assert unknown.samples_per_second is None and known.samples_per_second == 20
+    assert top.HEADER.split()[-4] == "SAMPLE/S"  # then workers, /dev/shm and GPU
+    assert top.row(unknown).split()[-4] == "-" and top.row(known).split()[-4] == "20"
+
+
+def _scrape(at: float, batches: dict[str, float], fetch: float = 1.0, step: float = 3.0
+            ) -> Scrape:
+    """A reading of loaders by name (rank 0), each with the given fetch and step sums."""
+    series: Series = {}
+    for name, n in batches.items():
+        lr: Labels = (("loader", name), ("rank", "0"))
+        series[(cat.BATCHES.name, lr)] = n
+        series[(cat.TIME.name + "_sum", (lr[0], ("phase", cat.PHASE_FETCH), lr[1]))] = fetch
+        series[(cat.STEP.name + "_sum", lr)] = step
+    return Scrape(at, series)
+
+
+def test_a_run_with_any_loader_busy_keeps_its_window() -> None:
+    w = window_of(_scrape(0, {"train": 5, "val": 3}), _scrape(2, {"train": 5, "val": 4}))
+    assert not w.is_whole_run and w.seconds == 2
+    assert {s.loader: s.batches for s in loaders(w)} == {"train": 0, "val": 1}
+
+
+def test_a_run_whose_loaders_all_stopped_is_read_whole() -> None:
+    w = window_of(_scrape(0, {"train": 5}), _scrape(2, {"train": 5}, fetch=1.5, step=2.5))
+    [s] = loaders(w)
+    assert w.is_whole_run and (s.batches, s.seconds) == (5, 4.0)
+    assert s.batches_per_second == 1.25 and s.stall_share == 1.5 / 4.0
+
+
+def test_a_reading_with_no_batches_at_all_stays_idle() -> None:
+    w = window_of(_scrape(0, {"train": 0}), _scrape(2, {"train": 0}))
+    assert not w.is_whole_run and w.seconds == 2
+
+
+def test_a_report_of_unknown_samples_says_unknown_and_null() -> None:
+    s = LoaderSignals("train", "0", seconds=10, fetch_seconds=0.1, step_seconds=9,
+                      batches=100, workers_configured=2)
+    report = build_report("test", Machine(3, None, 1 << 30, 1 << 30, 1 << 30, "nvme", "/"),
+                          [s], 1, whole_run=True)
+    assert "samples/s unknown" in report.text()
+    as_dict = report.as_dict()
+    assert as_dict["whole_run"] is True
+    assert as_dict["loaders"][0]["figures"]["samples_per_second"] is None  # type: ignore[index]
