@@ -87,7 +87,8 @@ BATCHES = _m(
     "", LOADER_LABELS, TRAINER)
 SAMPLES = _m(
     "dataloader_samples_total", COUNTER,
-    "Samples in the batches the loader has handed to the training loop.",
+    "Samples in the batches the loader has handed to the training loop; absent when "
+    "they cannot be counted.",
     "", LOADER_LABELS, TRAINER)
 EPOCHS = _m(
     "dataloader_epochs_total", COUNTER,
@@ -123,7 +124,8 @@ WORKER_CPU = _m(
     "seconds", WORKER_LABELS, TRAINER)
 WORKER_SAMPLES = _m(
     "dataloader_worker_samples_total", COUNTER,
-    "Samples each worker process has produced.",
+    "Samples each worker process has produced; absent for a worker whose batches cannot "
+    "be counted.",
     "", WORKER_LABELS, TRAINER)
 WORKER_HEARTBEAT = _m(
     "dataloader_worker_heartbeat_timestamp_seconds", GAUGE,

@@ -346,3 +346,36 @@ def test_zero_code_mode_measures_webdataset_as_the_loop_takes_its_batches(
     assert run.value(0, cat.SAMPLES.name, loader=truth["name"]) == truth["samples"] == 28
     assert sum(v for n, lab, v in run.samples[0] if n == cat.WORKER_SAMPLES.name
                and lab["loader"] == truth["name"]) == 28
+
+
+SUBCLASSES = """
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+class Fixed(DataLoader):  # takes no num_workers, passes its own on to torch's
+    def __init__(self, ds):
+        super().__init__(ds, batch_size=2)
+
+class Own(DataLoader):  # never calls torch's __init__ (as torchdata does), takes no settings
+    def __init__(self, ds):
+        self.__dict__.update(DataLoader(ds, batch_size=2).__dict__)
+
+ds = TensorDataset(torch.arange(4.0))
+print(Fixed(ds).num_workers, Own(ds).num_workers)
+"""
+
+
+def test_settings_reach_a_subclass_through_torchs_init_or_are_said_not_to(
+        tmp_path: Path) -> None:
+    env = {**os.environ, "DATALOADER_EXPORTER_AUTO": "1",
+           "DATALOADER_EXPORTER_SETTINGS": "*.num_workers=1",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "instrument" / "autorun"), str(REPO)])}
+    out = subprocess.run([sys.executable, "-c", SUBCLASSES], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    # Fixed: applied where torch's __init__ takes it. Own builds a plain loader inside (at
+    # its own line, applied there too), but Own itself takes no num_workers: said once.
+    assert out.stdout.split() == ["1", "1"]
+    assert out.stderr.count("num_workers not applied: Own.__init__ takes no such argument") \
+        == 1, out.stderr
+    assert "Fixed.__init__ takes no" not in out.stderr
