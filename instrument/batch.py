@@ -50,7 +50,8 @@ def collated_len(batch: Any) -> int | None:
     # the walk below costs about 350 ns).
     t = type(batch)
     if (t is list or t is tuple) and batch and type(batch[0]) is Tensor:
-        return _dim0(batch[0])
+        shape = batch[0].shape
+        return int(shape[0]) if shape else None
     for _ in range(MAX_DEPTH):
         if isinstance(batch, (Tensor, np.ndarray)):
             return _dim0(batch)
