@@ -58,6 +58,19 @@ def workers(active: str, lost: str = "0x15", last_batch: str = "0+60x15"
             s(cat.WORKERS_LOST, lost, **LOADER), s(cat.LAST_BATCH, last_batch, **LOADER))
 
 
+def failures(**counts: str) -> tuple[tuple[str, str], ...]:
+    """Every cause's failure counter, as the trainer writes them (0 until one happens)."""
+    return tuple(s(cat.FAILURES, counts.get(c, "0x15"), **LOADER, cause=c)
+                 for c in cat.FAILURE_CAUSES)
+
+
+def worker_time(running: int, waiting_for_cpu: int, blocked: int
+                ) -> tuple[tuple[str, str], ...]:
+    """The workers' seconds a minute in each state (two workers: 120 in all)."""
+    return tuple(s(cat.WORKER_TIME, f"0+{v}x30", **LOADER, state=state) for state, v in
+                 zip(cat.WORKER_STATES, (running, waiting_for_cpu, blocked), strict=True))
+
+
 def snapshot_files(fresh: int, stale: int) -> tuple[tuple[str, str], ...]:
     return (s(cat.SNAPSHOT_FILES, f"{fresh}x10", **HOST, state="fresh"),
             s(cat.SNAPSHOT_FILES, f"{stale}x10", **HOST, state="stale"))
@@ -134,8 +147,24 @@ CASES: tuple[Case, ...] = (
     Case("DataLoaderShmFull", "fires at 99% for 5 minutes", shm(990), "5m", fires(SHM)),
     Case("DataLoaderShmFull", "stays quiet at 95%", shm(950), "5m"),
 
-    Case("DataLoaderWorkerLost", "fires when a worker was counted lost",
-         workers(active="2x5 1x10", lost="0x5 1x10"), "8m", fires(LOADER)),
+    Case("DataLoaderWorkerLost", "fires with cause unknown when a trainer that records no "
+         "causes counts a worker lost",
+         workers(active="2x5 1x10", lost="0x5 1x10"), "8m", fires({**LOADER, "cause": "unknown"})),
+    Case("DataLoaderWorkerLost", "fires with cause unknown when the trainer records causes but "
+         "observed none", workers(active="2x5 1x10", lost="0x5 1x10") + failures(), "8m",
+         fires({**LOADER, "cause": "unknown"})),
+    Case("DataLoaderWorkerLost", "names the cause the trainer observed (oom), and only it",
+         workers(active="2x5 1x10", lost="0x5 1x10") + failures(oom="0x5 1x10"), "8m",
+         fires({**LOADER, "cause": "oom"})),
+    Case("DataLoaderWorkerLost", "names each cause when workers died of two (crash, killed)",
+         workers(active="2x5 0x10", lost="0x5 2x10") + failures(crash="0x5 1x10",
+                                                                killed="0x5 1x10"), "8m",
+         fires({**LOADER, "cause": "crash"}, {**LOADER, "cause": "killed"})),
+    Case("DataLoaderWorkerLost", "fires for a batch that did not fit in /dev/shm (shm), though "
+         "no worker died", workers(active="2x15") + failures(shm="0x5 1x10"), "8m",
+         fires({**LOADER, "cause": "shm"})),
+    Case("DataLoaderWorkerLost", "stays quiet when only the dataset raised (error: the loop "
+         "gets the exception)", workers(active="2x15") + failures(error="0x5 1x10"), "8m"),
     Case("DataLoaderWorkerLost", "stays quiet when a worker's IterableDataset shard runs out "
          "mid-epoch (1 of 2 alive while batches flow, none lost)",
          workers(active="2x5 1x10"), "10m"),
@@ -143,6 +172,16 @@ CASES: tuple[Case, ...] = (
          workers(active="2x15", lost="0x2 1x13"), "14m"),
     Case("DataLoaderWorkerLost", "stays quiet between epochs without persistent workers",
          workers(active="0x15", last_batch="60x15"), "10m"),
+
+    Case("DataLoaderWorkersCpuStarved", "fires when workers wait for a CPU half their time "
+         "while the loop waits half of its", stall(30) + worker_time(40, 60, 20), "15m",
+         fires(LOADER)),
+    Case("DataLoaderWorkersCpuStarved", "stays quiet while the loop is not input-bound (9%)",
+         stall(3) + worker_time(40, 60, 20), "15m"),
+    Case("DataLoaderWorkersCpuStarved", "stays quiet when starved workers get their CPU "
+         "(running or blocked, 10% waiting)", stall(30) + worker_time(60, 12, 48), "15m"),
+    Case("DataLoaderWorkersCpuStarved", "stays quiet without /proc figures (not Linux)",
+         stall(30), "15m"),
 
     Case("DataLoaderStalled", "fires after 9 minutes without a batch from a live trainer",
          (s(cat.LAST_BATCH, "60x15", **LOADER), s(cat.SNAPSHOT_AGE, "1x15", **HOST)), "10m",

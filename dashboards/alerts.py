@@ -12,7 +12,16 @@ from exporter import catalogue as cat
 
 from . import dcgm
 from .model import CRITICAL, EXPORTER_CONTAINER, EXPORTER_JOB, WARNING, Alert
-from .promql import STRAGGLER, quantile, ratio, sel, stall_share, straggler_excess
+from .promql import (
+    CPU_CONTENTION,
+    STRAGGLER,
+    quantile,
+    ratio,
+    sel,
+    stall_share,
+    straggler_excess,
+    worker_state_share,
+)
 
 WINDOW = "5m"
 # Epoch starts are rare events: average the first batches of the last hour.
@@ -24,6 +33,15 @@ LOADER = "{{ $labels.loader }} rank {{ $labels.rank }} on {{ $labels.instance }}
 _first_batch = (f"rate({sel(cat.FIRST_BATCH, suffix='_sum')}[{EPOCH_WINDOW}]) / "
                 f"rate({sel(cat.FIRST_BATCH, suffix='_count')}[{EPOCH_WINDOW}])")
 _median_wait = quantile(0.5, cat.TIME, "", EPOCH_WINDOW, phase=cat.PHASE_FETCH)
+# A worker lost in the window, by the cause the trainer observed (a worker dies of these;
+# "error" is the dataset raising, which the loop sees itself); a loss with no cause
+# observed, or from a trainer that records none, fires as cause "unknown".
+LOST_WINDOW = "10m"
+DEATHS = "|".join(c for c in cat.FAILURE_CAUSES if c != "error")
+_deaths = sel(cat.FAILURES, 'cause=~"' + DEATHS + '"')
+_lost = (f"(increase({_deaths}[{LOST_WINDOW}]) > 0) or ignoring (cause) "
+         f'label_replace(increase({sel(cat.WORKERS_LOST)}[{LOST_WINDOW}]) > 0, "cause", '
+         '"unknown", "", "")')
 
 ALERTS: tuple[Alert, ...] = (
     Alert(
@@ -88,17 +106,37 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "DataLoaderWorkerLost",
-        f"increase({sel(cat.WORKERS_LOST)}[10m]) > 0",
+        _lost,
         "0m", CRITICAL,
-        f"DataLoader worker lost: {LOADER}",
-        "A DataLoader worker process died while the loader still needed it, in the last 10"
-        " minutes (killed by a signal or exited with an error; a worker that finishes on"
-        " purpose, at the end of an epoch or of its IterableDataset shard, is not counted)."
-        " Workers are usually killed by"
-        " the OOM killer (check dmesg and the container's memory limit) or by a full"
-        " /dev/shm. Fix: fewer num_workers or a lower prefetch_factor, more memory or"
-        " --shm-size, and datasets that share memory across workers (numpy arrays rather"
-        " than Python lists of objects).",
+        f"DataLoader worker lost ({{{{ $labels.cause }}}}): {LOADER}",
+        "A DataLoader worker process died while the loader still needed it, or failed for"
+        " want of /dev/shm, in the last 10 minutes (a worker that finishes on purpose, at the"
+        " end of an epoch or of its IterableDataset shard, is not counted). The cause label"
+        " is what the trainer observed. Fix by cause: oom (killed while the cgroup's"
+        " OOM-kill count rose): fewer num_workers or a lower prefetch_factor, a higher"
+        " memory limit, datasets that share memory across workers (numpy arrays rather than"
+        " Python lists of objects); shm (/dev/shm full): a larger --shm-size (Kubernetes: a"
+        " memory-backed emptyDir's sizeLimit), or fewer workers or a lower prefetch_factor;"
+        " crash (a crash signal, usually native decoding code): run with num_workers=0 to"
+        " see the traceback, pin or upgrade the library; killed (a kill that was not the OOM"
+        " killer's): find what sent it (the scheduler's events, the host's log); unknown (no"
+        " cause observed, or a trainer that records none): check dmesg for the OOM killer"
+        " and /dev/shm's size. `dataloader-exporter doctor` gives the sizes to use.",
+    ),
+    Alert(
+        "DataLoaderWorkersCpuStarved",
+        f"({worker_state_share('waiting_for_cpu', '', WINDOW)} >= {CPU_CONTENTION}) and "
+        f"({stall_share('', WINDOW)} > 0.2)",
+        "10m", WARNING,
+        f"DataLoader workers starved of CPU: {LOADER}",
+        f"The loader's workers spent {round(CPU_CONTENTION * 100)}% of their time or more"
+        " waiting for a CPU (runnable, in the run queue) for 10 minutes, while the training"
+        " loop waited for data over 20% of the time: there are more runnable workers than"
+        " cores for them (too many workers, other ranks' workers on the same machine, or"
+        " other processes on the cores). More workers make it worse. Fix: fewer num_workers"
+        " (at most the cores per local rank; `dataloader-exporter doctor` says how many get"
+        " a core), a CPU quota or affinity that gives the job the cores it asks for, or"
+        " move other work off those cores.",
     ),
     Alert(
         "DataLoaderStalled",

@@ -58,10 +58,13 @@ class Panel:
     thresholds: tuple[Step, ...] = ()
     min: float | None = 0
     max: float | None = None
+    stack: bool = False  # time series stacked: parts that add up to a whole
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"{self.title}: unknown panel kind {self.kind!r}")
+        if self.stack and self.kind != TIMESERIES:
+            raise ValueError(f"{self.title}: only time series stack")
         if not self.targets:
             raise ValueError(f"{self.title}: a panel needs at least one query")
 

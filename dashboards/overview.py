@@ -1,8 +1,10 @@
 """The "DataLoader overview" dashboard: is the GPU starving, and why?
 
 Read it top down: the first row answers "starving or not", the next rows say where the
-time goes (waiting for batches, the step, the host-to-device copy, epoch starts), and
-the last rows show the resources a loader runs out of (workers, /dev/shm, host memory).
+time goes (waiting for batches, the step, the host-to-device copy, epoch starts), then
+why the workers are slow (running, waiting for a CPU or blocked; their memory and reads)
+and why they fail, and the last rows show the resources a loader runs out of (/dev/shm,
+host memory).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from .promql import (
     straggler_excess,
     wait_for_ranks,
 )
+from .workers import WHY_WORKERS
 
 W = RATE_INTERVAL
 
@@ -206,13 +209,13 @@ workers = Row("Workers and batches", (
           "configured while an epoch runs. With persistent_workers=False active drops to 0 "
           "between epochs (that is the epoch-start stall), and a worker whose IterableDataset "
           "shard ran out ends early on purpose. A lost worker died while it was needed: "
-          "usually the OOM killer or a full /dev/shm.",
+          "Worker failures by cause says why.",
           COUNT, ((f"active {BY_RANK}", sel(cat.WORKERS_ACTIVE, LOADER)),
                   (f"configured {BY_RANK}", sel(cat.WORKERS_CONFIGURED, LOADER)),
                   (f"lost {BY_RANK}", f"increase({sel(cat.WORKERS_LOST, LOADER)}[{W}])"))),
     Panel("Worker CPU share",
-          "CPU each worker process uses, as a share of one core (wall time spent waiting "
-          "for I/O is not CPU and cannot be measured without changing the dataset). Good: "
+          "CPU each worker process uses, as a share of one core (where the rest of their wall "
+          "time goes: Worker time by state). Good: "
           "below 90% with a low stall share. Near 100% with a high stall share: the workers "
           "are CPU-bound (add workers if cores are free, make samples cheaper). Low with a "
           "high stall share: samples wait on storage or the network (more workers overlap "
@@ -278,5 +281,5 @@ OVERVIEW = Board(
         Variable("loader", "Loader", sel(cat.BATCHES, HOST)),
         Variable("rank", "Rank", sel(cat.BATCHES, HOST + ',loader=~"$loader"')),
     ),
-    rows=(headline, stall, throughput, transfer, workers, memory, exporter_health),
+    rows=(headline, stall, throughput, transfer, workers, WHY_WORKERS, memory, exporter_health),
 )

@@ -78,6 +78,26 @@ def ratio(numerator: cat.Metric, denominator: cat.Metric, matchers: str = "") ->
     return f"{sel(numerator, matchers)} / ({sel(denominator, matchers)} > 0)"
 
 
+# --- the workers, as the trainer reads them from /proc ------------------------------------
+# Of the workers' wall time waiting for a CPU from which they are starved of it;
+# diagnosis.why.CPU_CONTENTION, the doctor's threshold.
+CPU_CONTENTION = 0.25
+
+
+def workers_by_state(matchers: str, window: str, by: str) -> str:
+    """Workers in each state (running, waiting for a CPU, blocked): the workers' seconds
+    per second in it, summed by `by` and state; together, the live workers."""
+    return f"sum by ({by}, state) ({rate(sel(cat.WORKER_TIME, matchers), window)})"
+
+
+def worker_state_share(state: str, matchers: str, window: str) -> str:
+    """Per (loader, rank): the share of the workers' wall time spent in `state`, 0 to 1
+    (absent where the trainer reads no /proc figures)."""
+    part = f"sum without (state) ({rate(sel(cat.WORKER_TIME, matchers, state=state), window)})"
+    whole = f"sum without (state) ({rate(sel(cat.WORKER_TIME, matchers), window)})"
+    return f"{part} / ({whole} > 0)"
+
+
 # --- across ranks -----------------------------------------------------------------------
 # In synchronous data parallel the ranks of a job share one batch period: each step waits
 # at its collective for the slowest rank. These build the job-level figures from raw

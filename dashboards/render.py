@@ -41,6 +41,7 @@ BUILT_IN_ANNOTATIONS = {
     "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts",
     "type": "dashboard",
 }
+STACKED_FILL = 60  # stacked parts are areas: filled enough to read which is which
 REDUCE_LAST = {"calcs": ["lastNotNull"], "fields": "", "values": False}
 
 # Keys grafanalib 0.7.1 writes that current Grafana does not (dotted paths).
@@ -141,8 +142,9 @@ def _panel(p: Panel, pos: g.GridPos) -> Any:
         }
         extra["fieldConfig"]["defaults"] = defaults
         extra["options"] = {"legend": {"showLegend": True}}
-        return g.TimeSeries(**common, unit=p.unit, fillOpacity=10, tooltipMode="multi",
-                            tooltipSort="desc", stacking={"group": "A", "mode": "none"},
+        return g.TimeSeries(**common, unit=p.unit, fillOpacity=STACKED_FILL if p.stack else 10,
+                            tooltipMode="multi", tooltipSort="desc",
+                            stacking={"group": "A", "mode": "normal" if p.stack else "none"},
                             extraJson=extra)
     if p.kind == STAT:
         extra["fieldConfig"]["defaults"] = defaults

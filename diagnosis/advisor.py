@@ -70,6 +70,15 @@ def worker_cap(cpu: Cpu, local_ranks: int, cuda: bool, storage: str = "unknown")
     return min(cores, STORAGE_WORKERS.get(storage, cores))
 
 
+def blocked_cap(cpu: Cpu, local_ranks: int, cuda: bool, storage: str = "unknown") -> int:
+    """The most workers worth running per rank when they are measured to be blocked most
+    of their time (on storage, the network, locks): they overlap waits, a few per core as
+    on network storage, within a local disk's own cap."""
+    io_bound = min(STORAGE_WORKERS["network"],
+                   NETWORK_PER_CORE * worker_cores(cpu, local_ranks, cuda))
+    return min(io_bound, STORAGE_WORKERS.get(storage, io_bound))
+
+
 def advised_workers(workers: int, starved: bool, cpu: Cpu, local_ranks: int, cuda: bool,
                     storage: str = "unknown") -> int:
     """num_workers for one rank: down to the cap when above it, up to it when starved."""

@@ -6,7 +6,9 @@ for data / (waiting + computing)): 20% and above is input-bound, 5-20% moderatel
 its figure stays the same. Every recommendation carries the one sentence that says why,
 and none is drawn from a figure that is missing. Across ranks (diagnosis.jobs) the job's
 stall is the slowest input's; an input straggler gets the advice, and the ranks that
-only wait for it get none about their own loader.
+only wait for it get none about their own loader. Why the input is slow, and the number
+of workers that follows, comes from where the workers' time goes (diagnosis.why); why
+workers failed, from the causes the trainer observed (diagnosis.failures).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from diagnosis import advisor
+from diagnosis import advisor, failures, why
 from diagnosis.jobs import Job, RankTimes, points, rank_times
 from diagnosis.machine import Machine
 from diagnosis.signals import LoaderSignals
+from diagnosis.units import GiB, gib, ms, pct
 
 INPUT_BOUND = 0.20
 MODERATE = 0.05
@@ -25,16 +28,19 @@ SHM_SAFETY = 1.5
 FIRST_BATCH_FACTOR = 10.0  # a first batch this many times the median wait is a stall
 FIRST_BATCH_MIN = 0.5  # seconds: shorter first batches are not worth a finding
 STORAGE_WORKERS = advisor.STORAGE_WORKERS
-GiB = 1024**3
 
+# Memory or /dev/shm ran out (no more workers), or would (a shallower queue too).
+RAN_OUT = ("failure-oom", "failure-shm")
+MEMORY_FINDINGS = ("shm-risk", "host-memory-risk", *RAN_OUT)
+STARVED = ("input-bound", "moderately input-bound")  # the loop waits for input
 VERDICTS = {"input-bound": "INPUT-BOUND", "moderately input-bound": "MODERATELY INPUT-BOUND",
             "not input-bound": "NOT INPUT-BOUND", "idle": "IDLE"}
 
 
 @dataclass
 class Finding:
-    # epoch-start-stall, lost-workers, shm-risk, host-memory-risk, swap, input-straggler,
-    # waits-for-straggler
+    # epoch-start-stall, lost-workers, failure-<cause>, shm-risk, host-memory-risk, swap,
+    # workers-swap, input-straggler, waits-for-straggler
     kind: str
     message: str
 
@@ -56,6 +62,8 @@ class Diagnosis:
     findings: list[Finding] = field(default_factory=list)
     recommendations: list[Recommendation] = field(default_factory=list)
     unknowns: list[str] = field(default_factory=list)  # what could not be judged, and why
+    workers: why.WorkerView = field(default_factory=why.WorkerView)
+    failures: list[dict[str, object]] = field(default_factory=list)  # causes seen, fixes
 
     @property
     def healthy(self) -> bool:
@@ -118,6 +126,9 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1,
         "step_per_batch_seconds": times.step if times else None,
         "waiting_for_other_ranks_seconds_per_batch": waiting})
     cfg = _config(s)
+    d.workers = why.view(s, machine, d.verdict in STARVED)
+    if d.workers.bottleneck == why.UNKNOWN:
+        d.unknowns.append(why.unknown(s.rank, cfg.workers))
     _findings(d, s, cfg, machine, local_ranks)
     if job and job.stragglers:
         if s.rank not in job.straggler_ranks:
@@ -177,14 +188,18 @@ def _findings(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
             f"epoch-start stall: the first batch of an epoch takes {s.first_batch_mean:.2f} s "
             f"against a median wait of {ms(s.median_wait)} (x{ratio:.0f})")))
     if s.workers_lost > 0:  # counted only for workers that died while still needed
-        alive = ("" if s.workers_active is None or s.workers_configured is None else
-                 f"; {s.workers_active:.0f} of {s.workers_configured:.0f} alive now")
-        d.findings.append(Finding("lost-workers", (
-            f"lost workers: {s.workers_lost:.0f} died while the loader needed them{alive} "
-            "(out of memory? check dmesg for the OOM killer and /dev/shm)")))
-    if s.batch_bytes and cfg.workers:
-        in_flight = shm_in_flight(s.batch_bytes, cfg.prefetch, cfg.workers, local_ranks)
-        shm_total = _shm_total(s, machine)
+        d.findings.append(Finding("lost-workers", failures.lost_message(s)))
+    in_flight = (shm_in_flight(s.batch_bytes, cfg.prefetch, cfg.workers, local_ranks)
+                 if s.batch_bytes and cfg.workers else None)
+    shm_total = _shm_total(s, machine)
+    d.failures = failures.entries(s, d.workers, failures.Shm(
+        shm_total, in_flight, None if in_flight is None else shm_size_advice(in_flight)),
+        cfg.workers)
+    d.findings += [Finding(f"failure-{f['cause']}", f"{f['seen']}. Fix: {f['fix']}")
+                   for f in d.failures]
+    if d.workers.bottleneck == why.MEMORY and d.workers.swapping:
+        d.findings.append(Finding("workers-swap", d.workers.why))
+    if s.batch_bytes and in_flight is not None:
         if shm_total is not None and in_flight > shm_total:
             d.findings.append(Finding("shm-risk", (
                 f"/dev/shm risk: batches in flight need {gib(in_flight)} "
@@ -197,8 +212,10 @@ def _findings(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
             d.findings.append(Finding("host-memory-risk", (
                 f"host memory risk: batches in flight need {gib(in_flight)} but only "
                 f"{gib(available)} is available")))
-    if s.swap_used and (s.swap_growth > 0 or (s.memory_total and s.memory_available and
-                                              s.memory_available < 0.1 * s.memory_total)):
+    workers_swap = any(f.kind == "workers-swap" for f in d.findings)  # says more
+    if s.swap_used and not workers_swap and (s.swap_growth > 0 or (
+            s.memory_total and s.memory_available and
+            s.memory_available < 0.1 * s.memory_total)):
         d.findings.append(Finding("swap", (
             f"swap in use ({gib(s.swap_used)}) and growing: workers are paging; use fewer "
             "workers or a smaller prefetch_factor")))
@@ -223,8 +240,7 @@ def _config(s: LoaderSignals) -> _Config:
 
 def _recommend(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
                local_ranks: int) -> None:
-    stall = s.stall_share
-    starved = d.verdict in ("input-bound", "moderately input-bound")
+    starved = d.verdict in STARVED
     cuda = s.gpu_utilization is not None
     rec = d.recommendations
     if s.batches <= 0:
@@ -238,38 +254,21 @@ def _recommend(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
         d.unknowns.append("no GPU metrics: the advice assumes the loop trains on the CPU and "
                           "keeps a core for it (run the sidecar with NVML, or dcgm-exporter)")
     workers, prefetch = cfg.workers, cfg.prefetch
-    rec_workers = advisor.advised_workers(workers, starved, machine.cpu, local_ranks, cuda,
-                                          machine.storage)
-    cores = advisor.worker_cores(machine.cpu, local_ranks, cuda)
+    advice = why.advise(d.workers, s, workers, starved, machine, local_ranks, cuda)
+    rec_workers = advice.workers
+    if rec_workers > workers and any(f.kind in RAN_OUT for f in d.findings):
+        rec_workers = workers  # memory or /dev/shm already ran out at this count
+    if advice.unknown:
+        d.unknowns.append(advice.unknown)
     if rec_workers != workers:
-        spare = "" if cuda else ", keeping a core for the training loop, which runs on the CPU"
-        n_cores = f"{cores} core{'' if cores == 1 else 's'}"
-        share = (f"{machine.cpu.describe()} shared by {local_ranks} local rank"
-                 f"{'' if local_ranks == 1 else 's'}")
-        why = (f"the loop waits for data {pct(stall)} of the time and {n_cores} per "
-               f"local rank can load in parallel ({share}; storage: {machine.storage}{spare})"
-               if rec_workers > workers else
-               f"more workers than the {n_cores} per local rank ({share}{spare}) only fight "
-               "for CPU")
-        rec.append(Recommendation("num_workers", str(rec_workers), str(workers), why))
+        rec.append(Recommendation("num_workers", str(rec_workers), str(workers), advice.why))
     eff_workers = max(workers, rec_workers)
-    busy = s.worker_cpu_share
-    want_prefetch = prefetch
-    if any(f.kind in ("shm-risk", "host-memory-risk") for f in d.findings) and prefetch > 1:
-        want_prefetch = max(1, prefetch // 2)
-        why = "fewer batches in flight keep /dev/shm and host memory within bounds"
-    elif starved and workers and busy is None:
-        why = ""  # how busy the workers are is unknown: no advice drawn from it
-        d.unknowns.append("worker busy time unknown (no per-worker figures): no advice on "
-                          "prefetch_factor from it")
-    elif starved and eff_workers and busy is not None and busy < 0.7 and workers:
-        want_prefetch = max(4, prefetch)
-        why = (f"workers use only {pct(busy)} of a core each yet the loop waits: samples "
-               "wait on I/O or cost unevenly, and a deeper queue hides that")
-    else:
-        why = "the default queue of two batches per worker is enough here"
-    if eff_workers and why:
-        rec.append(Recommendation("prefetch_factor", str(want_prefetch), str(prefetch), why))
+    memory_risk = any(f.kind in MEMORY_FINDINGS for f in d.findings)
+    want_prefetch, reason, unknown = why.prefetch(d.workers, s, starved, workers, eff_workers,
+                                                  prefetch, memory_risk)
+    d.unknowns += [unknown] if unknown else []
+    if eff_workers and reason:
+        rec.append(Recommendation("prefetch_factor", str(want_prefetch), str(prefetch), reason))
     if eff_workers and cfg.persistent is not True:
         rec.append(Recommendation("persistent_workers", "True", str(cfg.persistent), (
             "workers are started again at every epoch otherwise, which stalls its first batch")))
@@ -287,15 +286,3 @@ def _recommend(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
                                   gib(shm_total) if shm_total else "unknown", (
             f"workers hand batches over through /dev/shm and about {gib(needed)} are in "
             "flight; Kubernetes: a memory-backed emptyDir at /dev/shm")))
-
-
-def pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{points(x)}%"
-
-
-def ms(x: float | None) -> str:
-    return "n/a" if x is None else f"{x * 1000:.1f} ms"
-
-
-def gib(x: float) -> str:
-    return f"{x / GiB:.2f} GiB" if x >= GiB / 10 else f"{x / 1024**2:.1f} MiB"

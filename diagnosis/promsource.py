@@ -18,11 +18,12 @@ from exporter import catalogue as cat
 
 # Counters and histogram parts read as increases; everything else as latest values.
 _INCREASE = [cat.TIME, cat.STEP, cat.BATCHES, cat.SAMPLES, cat.EPOCHS, cat.TRANSFER_BYTES,
-             cat.WORKER_CPU]
+             cat.WORKER_CPU, cat.WORKER_TIME, cat.WORKER_READ, cat.WORKER_MAJOR_FAULTS]
 _LATEST = [cat.FIRST_BATCH, cat.TIME, cat.WORKERS_CONFIGURED, cat.WORKERS_ACTIVE,
-           cat.WORKERS_LOST, cat.BATCH_BYTES, cat.INFO, cat.SHM_SIZE, cat.SHM_USED,
-           cat.SHM_FREE, cat.HOST_MEMORY_TOTAL, cat.HOST_MEMORY_AVAILABLE, cat.HOST_SWAP_USED,
-           cat.GPU_UTILIZATION]
+           cat.WORKERS_LOST, cat.FAILURES, cat.BATCH_BYTES, cat.INFO, cat.SHM_SIZE,
+           cat.SHM_USED, cat.SHM_FREE, cat.HOST_MEMORY_TOTAL, cat.HOST_MEMORY_AVAILABLE,
+           cat.HOST_SWAP_USED, cat.CGROUP_MEMORY_LIMIT, cat.CGROUP_MEMORY_USAGE,
+           cat.GPU_UTILIZATION, cat.WORKER_MEMORY, cat.WORKER_MAX_RSS]
 
 
 def _api(base: str, expr: str, timeout: float) -> list[dict[str, Any]]:
@@ -74,6 +75,10 @@ def window(base: str, range_seconds: float, match: str = "", timeout: float = 10
     for lab, v in _query(base, f"sum(delta({cat.HOST_SWAP_USED.name}{{{sel}}}[{rng}]))",
                          timeout):
         change[(cat.HOST_SWAP_USED.name, lab)] = v
+    growth = f"sum by ({', '.join(cat.WORKER_MEMORY.labels)}) " \
+             f"(delta({cat.WORKER_MEMORY.name}{{{sel}}}[{rng}]))"
+    for lab, v in _query(base, growth, timeout):
+        change[(cat.WORKER_MEMORY.name, lab)] = v
     seconds = _span(base, sel, rng, timeout)
     return Window(min(range_seconds, seconds) if seconds else range_seconds, increase, latest,
                   change, local_ranks_of(_query(

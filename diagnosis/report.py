@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from diagnosis.doctor import VERDICTS, Diagnosis, diagnose, gib, ms, pct, verdict
+from diagnosis.doctor import VERDICTS, Diagnosis, diagnose, verdict
 from diagnosis.jobs import Job, jobs
 from diagnosis.machine import Machine
 from diagnosis.signals import LoaderSignals
+from diagnosis.units import gib, ms, pct
+from diagnosis.why import NONE, WorkerView
 from exporter.loadersettings import ENV_SETTINGS, SETTINGS, SettingsError, format_settings
 
 
@@ -71,6 +73,7 @@ def _rank_lines(d: Diagnosis, multi: bool) -> list[str]:
     if multi and step is not None and wait is not None:
         lines.append(f"  step {ms(step)} a batch, of which about {ms(wait)} waiting for "
                      "other ranks (estimated: its step minus the fastest rank's)")
+    lines += _worker_lines(d.workers)
     lines += [f"  ! {x.message}" for x in d.findings]
     lines += [f"  ? {x}" for x in d.unknowns]
     if d.recommendations:
@@ -79,6 +82,25 @@ def _rank_lines(d: Diagnosis, multi: bool) -> list[str]:
             now = f" (now {r.current})" if r.current else ""
             lines.append(f"    {r.setting}={r.value}{now}: {r.why}")
     return [*lines, ""]
+
+
+def _worker_lines(v: WorkerView) -> list[str]:
+    """Where the workers' time went, their memory, and the bottleneck with its why."""
+    if v.bottleneck == NONE and v.running_share is None and v.rss_bytes is None:
+        return []  # nothing to say: the loop does not wait and nothing was measured
+    if v.running_share is None:
+        parts = ["where their time goes is unknown"]
+    else:
+        parts = [f"running {pct(v.running_share)}, waiting for a CPU "
+                 f"{pct(v.waiting_for_cpu_share)}, blocked {pct(v.blocked_share)} of their "
+                 f"time ({v.cpu_cores_used or 0:.1f} cores running)"]
+    if v.rss_bytes is not None:
+        largest = f", the largest {gib(v.max_rss_bytes)} RSS" if v.max_rss_bytes else ""
+        parts.append(f"{gib(v.rss_bytes)} each ({(v.memory_kind or '').upper()}){largest}")
+    if v.swap_bytes:
+        parts.append(f"{gib(v.swap_bytes)} in swap")
+    why = f" - {v.why}" if v.why and v.bottleneck != NONE else ""
+    return [f"  workers: {'; '.join(parts)}; bottleneck: {v.bottleneck}{why}"]
 
 
 def _per_second(x: float | None, what: str) -> str:

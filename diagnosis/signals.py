@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from diagnosis.workersignals import WorkerSignals, read_failures, read_workers
 from exporter import catalogue as cat
 
 Labels = tuple[tuple[str, str], ...]
@@ -165,6 +166,10 @@ class LoaderSignals:
     swap_used: float | None = None
     swap_growth: float = 0.0
     gpu_utilization: float | None = None
+    cgroup_limit: float | None = None  # the exporter's container's memory limit and usage
+    cgroup_usage: float | None = None
+    workers: WorkerSignals = field(default_factory=WorkerSignals)
+    failures: dict[str, float] | None = None  # cause -> total; None: causes not exported
 
     @property
     def stall_share(self) -> float | None:
@@ -269,4 +274,8 @@ def _signals(w: Window, loader: str, rank: str) -> LoaderSignals:
     s.swap_growth = _get(w.change, cat.HOST_SWAP_USED.name) or 0.0
     utils = [v for (n, _), v in last.items() if n == cat.GPU_UTILIZATION.name]
     s.gpu_utilization = sum(utils) / len(utils) if utils else None
+    s.cgroup_limit = _get(last, cat.CGROUP_MEMORY_LIMIT.name)
+    s.cgroup_usage = _get(last, cat.CGROUP_MEMORY_USAGE.name)
+    s.workers = read_workers(w.increase, w.latest, w.change, lr)
+    s.failures = read_failures(last, lr)
     return s

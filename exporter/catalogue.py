@@ -145,6 +145,51 @@ INFO = _m(
     "until one goes to CUDA); the value is always 1.",
     "", INFO_LABELS, TRAINER)
 
+# Where a worker's time goes, read from /proc/<pid> about once a second (Linux only; where
+# it cannot be read nothing is exported). Summed over a loader's workers, so that a rank
+# with 16 workers has as many series as one with 2; the per-worker series above keep the
+# detail that names one slow worker, and WORKER_MAX_RSS one growing one.
+WORKER_STATES: tuple[str, ...] = ("running", "waiting_for_cpu", "blocked")
+WORKER_TIME = _m(
+    "dataloader_worker_time_seconds_total", COUNTER,
+    "Wall time of the loader's worker processes, summed over workers, by state: running on "
+    "a CPU, waiting for a CPU (runnable, in the run queue), or blocked (the rest: storage, "
+    "the network, a lock, a full queue or sleep).",
+    "seconds", (*LOADER_LABELS, "state"), TRAINER)
+READ_SOURCES: tuple[str, ...] = ("storage", "syscalls")
+WORKER_READ = _m(
+    "dataloader_worker_read_bytes_total", COUNTER,
+    "Bytes the loader's workers read, summed over workers: from storage (source=storage) or "
+    "through read system calls of any kind, page cache and network included "
+    "(source=syscalls).",
+    "bytes", (*LOADER_LABELS, "source"), TRAINER)
+WORKER_MAJOR_FAULTS = _m(
+    "dataloader_worker_major_page_faults_total", COUNTER,
+    "Major page faults of the loader's workers (pages read back from disk or swap), summed "
+    "over workers.",
+    "", LOADER_LABELS, TRAINER)
+MEMORY_KINDS: tuple[str, ...] = ("rss", "pss", "swap")
+WORKER_MEMORY = _m(
+    "dataloader_worker_memory_bytes", GAUGE,
+    "Memory of the loader's live workers, summed over workers: resident (kind=rss; pages "
+    "shared with the main process count in every worker), proportional (kind=pss; shared "
+    "pages divided among their sharers, read less often, where cheap) and swapped out "
+    "(kind=swap).",
+    "bytes", (*LOADER_LABELS, "kind"), TRAINER)
+WORKER_MAX_RSS = _m(
+    "dataloader_worker_max_rss_bytes", GAUGE,
+    "Resident memory of the loader's largest live worker.",
+    "bytes", LOADER_LABELS, TRAINER)
+# Why a worker failed, as observed: never a cause that was not seen (instrument/failures.py).
+FAILURE_CAUSES: tuple[str, ...] = ("oom", "killed", "crash", "shm", "error")
+FAILURES = _m(
+    "dataloader_failures_total", COUNTER,
+    "Failures of the loader and its workers by cause: oom (a worker killed while the "
+    "cgroup's OOM-kill count rose), killed (another kill signal), crash (a crash signal "
+    "such as SIGSEGV, or an abnormal exit), shm (/dev/shm full: an allocation error or "
+    "SIGBUS), error (the dataset or collate_fn raised).",
+    "", (*LOADER_LABELS, "cause"), TRAINER)
+
 # --- gpu: NVML through nvidia-ml-py ------------------------------------------------------
 GPU_LABELS: tuple[str, ...] = ("gpu", "gpu_uuid")
 GPU_INFO = _m(

@@ -9,17 +9,23 @@ Samples in a batch, by who made it (chosen once per iterator, see loader.py):
   batch dimension added: the first column reached through dicts and sequences is a
   tensor whose first dimension is the batch, or a list of strings or bytes as long as
   the batch. Exact by construction.
-- batch_len: any other batch (a custom collate_fn, a wrapped loader's items, webdataset's
-  rebatching): the length its fields agree on, where a field's length is a tensor's or
-  array's first dimension or a list's or tuple's length (a nested dict or record counts
-  by its own fields). Fields that disagree make the count unknown. A custom collate_fn's
-  count is also checked against the samples it was given (workers.py).
+- batch_len: a custom collate_fn's batch, whose count is then checked against the
+  samples the collate_fn was given (workers.py): the length its fields (columns) agree
+  on, where a field's length is a tensor's or array's first dimension, a list's or
+  tuple's length, or a nested record's own count; fields that disagree make it unknown.
+  A list of records (rows: dicts, or tuples whose items differ in kind, as a collate_fn
+  that returns its samples gives them) counts its records.
+- loader_len: an item of a loader we time from the outside (wrap() of something that is
+  not a torch DataLoader, webdataset's rebatching): a batch by contract, so a lone
+  tensor counts its first dimension; otherwise as batch_len, with nothing to check it.
 - item_len (batch_size=None: items as the dataset yields them, batches or single
-  samples): batch_len, but only when at least two fields agree; a lone tensor may be one
-  sample as well as a batch of them, so its count is unknown.
+  samples): counted only on evidence of a batch: rows, or at least two fields that
+  agree and differ in kind (a tensor beside one of more dimensions, or beside a list of
+  strings: webdataset's keys). A lone tensor, or same-shaped fields (input_ids and
+  attention_mask of one sample), may be one sample as well as a batch: unknown.
 
-For both, a number, a string, a 0-d tensor or a record of nothing else is one sample, and
-such a scalar beside batched fields (a batch's metadata) does not count as a field.
+A number, a string, a 0-d tensor or a record of nothing else is one sample; such a
+scalar beside batched fields (a batch's metadata) is not a field.
 
 Unknown is None, never a guess: the caller then exports no sample count.
 """
@@ -77,21 +83,24 @@ def collated_len(batch: Any) -> int | None:
 
 
 def batch_len(batch: Any) -> int | None:
-    """Samples in a batch someone other than default_collate made (module docstring)."""
-    return _agreed(batch, 1, MAX_DEPTH)
+    """Samples in a custom collate_fn's batch (module docstring)."""
+    return _count(batch, lone=True, evidence=False, depth=MAX_DEPTH)
+
+
+# An item of a loader timed from the outside is counted as a custom collate_fn's batch,
+# with nothing to check it against (module docstring).
+loader_len = batch_len
 
 
 def item_len(item: Any) -> int | None:
     """Samples in an item a dataset yielded with batch_size=None (module docstring)."""
-    return _agreed(item, 2, MAX_DEPTH)
+    return _count(item, lone=False, evidence=True, depth=MAX_DEPTH)
 
 
 def _fields(x: Any) -> list[Any] | None:
     """The fields of a record-like batch, or None for anything else."""
     if isinstance(x, Mapping):
         return list(x.values())
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-        return list(x)
     if isinstance(x, (tuple, list)):
         return list(x)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
@@ -99,35 +108,62 @@ def _fields(x: Any) -> list[Any] | None:
     return None
 
 
+def _scalar(x: Any) -> bool:
+    return isinstance(x, _LEAVES) or (isinstance(x, (Tensor, np.ndarray)) and not len(x.shape))
+
+
+def _is_record(x: Any) -> bool:
+    return isinstance(x, Mapping) or (dataclasses.is_dataclass(x) and not isinstance(x, type))
+
+
+def _rows(x: Any) -> bool:
+    """A plain list or tuple of records (one per sample), not of columns: all dicts or
+    dataclasses, or all sequences of one length whose items differ in kind, like (str,
+    tensor, int) samples (the columns of a zip(*samples) are of one kind each)."""
+    if not isinstance(x, (tuple, list)) or hasattr(x, "_fields") or not x:
+        return False
+    if all(_is_record(r) for r in x):
+        return True
+    return all(isinstance(r, (tuple, list)) for r in x) and len({len(r) for r in x}) == 1 and (
+        all(len({type(v) for v in r}) > 1 for r in x))
+
+
+def _kind(x: Any) -> object:
+    """What a field is, to tell a batch's columns from one sample's same-shaped parts."""
+    if isinstance(x, (Tensor, np.ndarray)):
+        return len(x.shape)
+    return "list" if isinstance(x, (tuple, list)) and not hasattr(x, "_fields") else "record"
+
+
 def _field_len(x: Any, depth: int) -> int | None:
     if isinstance(x, (Tensor, np.ndarray)):
         return _dim0(x)
     if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
         return len(x)  # a column: one entry per sample
-    if depth <= 0 or isinstance(x, _LEAVES):
+    if depth <= 0:
         return None
-    return _agreed(x, 1, depth - 1)  # a nested record counts by its own fields
+    return _count(x, lone=True, evidence=False, depth=depth - 1)  # a nested record
 
 
-def _scalar(x: Any) -> bool:
-    return isinstance(x, _LEAVES) or (isinstance(x, (Tensor, np.ndarray)) and not len(x.shape))
-
-
-def _agreed(batch: Any, least: int, depth: int) -> int | None:
+def _count(batch: Any, lone: bool, evidence: bool, depth: int) -> int | None:
+    """lone: a lone tensor or column counts its length; evidence: fields must show a
+    batch (module docstring)."""
     if _scalar(batch):
         return 1  # a number or string: one sample, never a batch of them
     if isinstance(batch, (Tensor, np.ndarray)):
-        return _dim0(batch) if least <= 1 else None
+        return _dim0(batch) if lone else None
+    if _rows(batch):
+        return len(batch)
     if isinstance(batch, (tuple, list)) and batch and not hasattr(batch, "_fields") and (
             isinstance(batch[0], _LEAVES)):
-        return len(batch) if least <= 1 else None  # a lone column of strings or numbers
+        return len(batch) if lone else None  # a lone column of strings or numbers
     fields = _fields(batch)
     if not fields:
         return None
     if all(_scalar(f) for f in fields):
         return 1  # a record of numbers and strings: one sample
     found: int | None = None
-    known = 0
+    kinds = set()
     for f in fields:
         n = None if _scalar(f) else _field_len(f, depth)  # a scalar beside a batch: metadata
         if n is None:
@@ -135,8 +171,10 @@ def _agreed(batch: Any, least: int, depth: int) -> int | None:
         if found is not None and n != found:
             return None  # fields that disagree: not a batch we can count
         found = n
-        known += 1
-    return found if known >= least else None
+        kinds.add(_kind(f))
+    if evidence and len(kinds) < 2:
+        return None
+    return found
 
 
 def batch_nbytes(batch: Any) -> int:

@@ -3,7 +3,8 @@
 Checked against torch 2.13.0 (and the 2.x layout since 1.7): a multi-process
 DataLoader iterator keeps its worker processes in ``_workers``, a list of
 multiprocessing.Process objects, and a DataLoader with persistent workers keeps its
-iterator in ``_iterator``. Worker pids let liveness be watched from the first batch on
+iterator in ``_iterator``; the worker Process objects give their exitcode once
+torch has reaped them (worker_exitcode). Worker pids let liveness be watched from the first batch on
 (instrumented workers also report their pid after their first batch; wrapped loaders
 have no other source). If an attribute goes away, wrapped loaders report no worker
 liveness, and the instrumented loader learns pids one batch later.
@@ -25,6 +26,17 @@ def worker_pids(iterator: Any) -> list[int]:
         if isinstance(pid, int) and pid > 0:
             pids.append(pid)
     return pids
+
+
+def worker_exitcode(iterator: Any, pid: int) -> int | None:
+    """multiprocessing's exitcode (-signal, or the exit code) of the iterator's worker
+    `pid`, or None. Ask only for a worker known to be dead: reading a live one's
+    exitcode would reap it as it ends, before torch's own check."""
+    for w in getattr(iterator, "_workers", None) or ():
+        if getattr(w, "pid", None) == pid:
+            code = getattr(w, "exitcode", None)
+            return code if isinstance(code, int) else None
+    return None
 
 
 def persistent_iterator(loader: Any) -> Any:

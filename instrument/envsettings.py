@@ -1,10 +1,10 @@
 """$DATALOADER_EXPORTER_SETTINGS applied to a loader's constructor arguments.
 
-A loader class's own ``__init__`` decides how a setting is passed: as its named parameter
-(torch's DataLoader, torchdata's StatefulDataLoader), else through its ``**kwargs`` (a
-subclass that hands them on to torch's). A setting a class takes neither way is left for
-torch's ``__init__`` if the class calls it, and otherwise named in one log line saying it
-was not applied (zerocode.py).
+A loader class's own ``__init__`` takes a setting as its named parameter (torch's
+DataLoader, torchdata's StatefulDataLoader). A setting it does not name (a subclass that
+takes ``**kwargs``, or that passes its own value on) is left for torch's ``__init__`` if
+the class calls it, and otherwise named in one log line saying it was not applied
+(zerocode.py).
 """
 
 from __future__ import annotations
@@ -106,17 +106,14 @@ def apply(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     except TypeError:  # the constructor will say what is wrong
         return args, kwargs, ()
     given = bound.arguments
-    extra_name = next((p.name for p in sig.parameters.values()
-                       if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-    extra: dict[str, Any] = given.setdefault(extra_name, {}) if extra_name else {}
 
     def place(key: str) -> dict[str, Any] | None:
-        """Where a setting goes: a named parameter, else **kwargs, else nowhere."""
+        """Where a setting goes: a named parameter of the signature, else nowhere."""
         param = sig.parameters.get(key)
         if param is not None and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                 inspect.Parameter.KEYWORD_ONLY):
             return given
-        return extra if extra_name else None
+        return None
 
     def current(key: str) -> Any:
         where = place(key)
@@ -127,11 +124,15 @@ def apply(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
             return param.default
         return _TORCH.parameters[key].default
 
-    left = tuple(k for k in SETTINGS if k in wanted and place(k) is None)
+    # Without num_workers here, whether the loader has workers is torch's __init__'s to
+    # see: the settings that need them are left for it.
+    here = place("num_workers") is not None
+    left = tuple(k for k in SETTINGS if k in wanted and (
+        place(k) is None or (k in NEEDS_WORKERS and not here)))
     workers = wanted.get("num_workers", current("num_workers"))
     for key in SETTINGS:
         where = place(key)
-        if key not in wanted or where is None:
+        if key not in wanted or where is None or key in left:
             continue
         value = wanted[key]
         if key in NEEDS_WORKERS and not workers and value is not False:
@@ -143,7 +144,7 @@ def apply(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
         if before != value:
             say_once(f"set:{name}:{key}:{value}", "dataloader %r: %s=%s from %s (was %s)",
                      name, key, value, ENV_SETTINGS, before)
-    if not workers:
+    if here and not workers:
         for key in NEEDS_WORKERS:
             where = place(key)
             default = _TORCH.parameters[key].default

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import socket
 import threading
@@ -84,6 +83,11 @@ class Hub:
         after an error (SnapshotWriter)."""
         for writer in list(self._writers.values()):
             writer.wake(urgent)
+
+    def write_now(self) -> None:
+        """Writes every snapshot file at once, in this thread (before an error goes on)."""
+        for writer in list(self._writers.values()):
+            writer.write()
 
     def serve(self, port: int = 0, addr: str = "0.0.0.0", system_metrics: bool = True,
               shm_path: str = SHM_PATH, web_config_file: str | None = None) -> ServerHandle:
@@ -180,15 +184,17 @@ def snapshot_path(directory: str) -> str:
 class SnapshotWriter:
     """Writes a registry to <dir>/<unique>.prom every interval, atomically (rename).
 
-    Writes keep their own cadence, one every interval whatever the loop does, so that a
-    snapshot is a fair sample of gauges such as dataloader_workers_active: the end of an
-    epoch asks for a write (wake) but gets one at once only if the last write is an
-    interval old (with epochs shorter than the interval, every write would otherwise land
-    on an epoch's end, when non-persistent workers are gone). An error asks urgently
-    (wake(urgent=True)) and is written at once. Failures (missing or unwritable
-    directory, full disk) are logged once and retried quietly; training never sees them.
-    The last snapshot is written at interpreter exit.
+    Writes keep their own cadence, one an interval after the last one ended, whatever the
+    loop does, so that a snapshot is a fair sample of gauges such as
+    dataloader_workers_active (with epochs shorter than the interval, writes made as
+    epochs end would all catch non-persistent workers between two epochs). The end of an
+    epoch (wake()) brings the next write to within PROMPT seconds, which changes nothing
+    at the default interval of a second; an error (wake(urgent=True)) is written at once.
+    Failures (missing or unwritable directory, full disk) are logged once and retried
+    quietly; training never sees them. The last snapshot is written at interpreter exit.
     """
+
+    PROMPT = 1.0
 
     def __init__(self, registry: CollectorRegistry, directory: str, interval: float) -> None:
         self.registry = registry
@@ -200,10 +206,10 @@ class SnapshotWriter:
         self._pid = os.getpid()
         self._wake = threading.Event()
         self._urgent = False
+        self._due = time.monotonic()
         self._stop = threading.Event()
         self._write_lock = threading.Lock()
         self._failing = False
-        self._last = -math.inf  # time.monotonic() of the last write
         self._thread = threading.Thread(target=self._run, name="dataloader-exporter-snapshot",
                                         daemon=True)
 
@@ -212,9 +218,11 @@ class SnapshotWriter:
         atexit.register(self.close)
 
     def wake(self, urgent: bool = False) -> None:
-        """Asks for a write: at once if urgent or the last one is an interval old."""
+        """Asks for a write: at once if urgent, else within PROMPT seconds."""
         if urgent:
             self._urgent = True
+        else:
+            self._due = min(self._due, time.monotonic() + self.PROMPT)
         self._wake.set()
 
     def close(self) -> None:
@@ -227,25 +235,19 @@ class SnapshotWriter:
         self.write()
 
     def _run(self) -> None:
-        due = time.monotonic()
         while not self._stop.is_set():
-            now = time.monotonic()
-            asked = self._wake.is_set()
-            self._wake.clear()
-            if now >= due or self._urgent or (asked and now - self._last >= self.interval):
+            if self._urgent or time.monotonic() >= self._due:
                 self._urgent = False
                 self.write()
-                if now >= due:
-                    due = now + self.interval
-            # (a wake too soon after a write is covered by the next one, within interval)
-            self._wake.wait(max(0.0, due - time.monotonic()))
+                self._due = time.monotonic() + self.interval  # a slow write is no busy loop
+            self._wake.wait(max(0.0, self._due - time.monotonic()))
+            self._wake.clear()
 
     def write(self) -> bool:
         """One atomic write; False (and one log line per failure streak) on error."""
         if os.getpid() != self._pid:  # a forked child must not write its parent's file
             return False
         with self._write_lock:
-            self._last = time.monotonic()
             try:
                 os.makedirs(self.directory, exist_ok=True)
                 write_to_textfile(self.path, self.registry)

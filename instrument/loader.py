@@ -9,6 +9,7 @@ appends and a few integer updates.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -24,14 +25,16 @@ import torch.utils.data
 from torch.utils.data import default_collate
 
 from exporter.config import ENV_DIR
+from exporter.facts.shm import SHM_PATH, shm_space
 
-from . import compat, envsettings, zerocode
-from .batch import batch_len, batch_nbytes, collated_len, item_len, move
-from .env import current_rank
+from . import compat, envsettings, failures, zerocode
+from .batch import batch_len, batch_nbytes, collated_len, item_len, loader_len, move
+from .env import current_rank, local_world_size
 from .gpu import gpu_uuid
 from .hub import Hub, hub_for
 from .preflight import LoaderConfig, Preflight
 from .recorder import LoaderRecorder
+from .tracker import from_exitcode
 from .workers import TimedCollate, new_block
 
 T_co = TypeVar("T_co", covariant=True)
@@ -67,6 +70,9 @@ class _Instruments:
         self._rec: LoaderRecorder | None = None
         self._last_it: weakref.ref[Any] | None = None  # the iterator whose workers we track
         self._last_gen = 0
+        self._said_failures: set[str] = set()
+        # Workers a loader started outside __iter__ (prestart): their iterator and block.
+        self.started: tuple[weakref.ref[Any], torch.Tensor] | None = None
         directory = metrics_dir or os.environ.get(ENV_DIR) or None
         if directory:
             self.hub.write_snapshots(directory)
@@ -81,7 +87,23 @@ class _Instruments:
     def rec(self) -> LoaderRecorder:
         if self._rec is None:
             self._rec = self.hub.recorder(self.name, current_rank())
+            if self._rec.workers.report is None:  # failures are said once, with a fix
+                self._rec.workers.report = self.failed
         return self._rec
+
+    def failed(self, cause: str, pid: int | None, seen: str) -> None:
+        """One line per failure cause with what to change (failures.fix)."""
+        if cause in self._said_failures:
+            return
+        self._said_failures.add(cause)
+        rec = self.rec
+        fig = rec.workers.proc_figures()
+        live = rec.workers.active or 0
+        rss = fig.rss_bytes // live if fig is not None and live else None
+        who = f" (worker pid {pid})" if pid else ""
+        text = failures.fix(cause, seen, self.config, max(rec.batch_bytes, 0),
+                            local_world_size(), shm_space(SHM_PATH), rss)
+        log.warning("dataloader %r%s: %s", self.name, who, text)
 
     def start_epoch(self, loader: Any) -> None:
         """At iter(): the loader's settings. The epoch itself starts at its first batch (a
@@ -144,10 +166,16 @@ class _Instruments:
             self.rec.workers.stop(gen)  # torch has shut these workers down on purpose
         self.hub.flush_now()
 
-    def error(self) -> None:
-        """The iterator raised (the loop may catch it and go on): a worker gone now is lost."""
-        self.rec.workers.refresh(0.0, on_error=True)
-        self.hub.flush_now(urgent=True)
+    def error(self, exc: BaseException, it: Any) -> None:
+        """The iterator `it` raised `exc` (the loop may catch it and go on): a worker gone
+        now is lost, the failure is counted by cause, and the snapshot is written before
+        the exception goes on to the loop."""
+        workers = self.rec.workers
+        workers.refresh(0.0, on_error=True, exits=lambda pid: from_exitcode(
+            compat.worker_exitcode(it, pid)))
+        if failures.deaths_in(exc) is None:  # a death is counted once, by its exit above
+            workers.fail(failures.cause_of_error(exc), None, failures.first_line(exc))
+        self.hub.write_now()
 
     def note_gpu(self, uuid: str) -> None:
         """Labels dataloader_info with the GPU this loader's batches go to."""
@@ -183,55 +211,97 @@ class _Instruments:
 def counter_for(loader: Any) -> Counter:
     """How a torch loader's batches are counted (batch.py): by the shape default_collate
     gives them, by the length their fields agree on (a custom collate_fn, checked against
-    the samples it was given), or, with batch_size=None, only when two fields agree."""
+    the samples it was given), or, with batch_size=None, only on evidence of a batch."""
     if getattr(loader, "batch_sampler", None) is None:
         return item_len
-    return collated_len if loader.collate_fn is default_collate else batch_len
+    return collated_len if getattr(loader, "collate_fn", None) is default_collate else batch_len
+
+
+class _Plan:
+    """What instrumented_iter hands torch's iterator: a collate_fn for its new workers (or
+    to check a custom collate_fn's counts in the main process), and their block."""
+
+    def __init__(self, loader: Any, dle: _Instruments, quiet: bool) -> None:
+        dle.start_epoch(loader)
+        self.count = counter_for(loader)
+        workers = getattr(loader, "num_workers", 0) or 0
+        verify = self.count is batch_len and not quiet
+        self.block: torch.Tensor | None = None
+        self.collate: TimedCollate | None = None
+        current = compat.persistent_iterator(loader)
+        self.started = dle.started if dle.started and dle.started[0]() is current else None
+        self.reused = bool(workers) and (self.started is not None or (
+            bool(getattr(loader, "persistent_workers", False)) and dle.tracking(current)))
+        if not workers:
+            if verify:  # the main process checks a custom collate_fn's count itself
+                self.collate = TimedCollate(loader.collate_fn, None, True, True,
+                                            dle.rec.miscount)
+        elif not self.reused:  # new workers: their one hook (workers.py)
+            self.block = new_block(workers)
+            self.collate = TimedCollate(loader.collate_fn, self.block,
+                                        loader.batch_sampler is not None, verify)
+        self.workers = workers
 
 
 def instrumented_iter(loader: Any, dle: _Instruments, torch_iter: Callable[[Any], Any],
-                      quiet: bool = False) -> TimedIterator:
-    """iter(loader) through torch's own __iter__ (`torch_iter`), timed, its new workers
-    given a TimedCollate while torch starts them (their one hook, see workers.py); the
-    loader's collate_fn is the user's again before this returns.
+                      quiet: bool = False) -> Any:
+    """iter(loader) through its own __iter__ (`torch_iter`: torch's, or a subclass's),
+    timed, its new workers given a TimedCollate while they start (their one hook, see
+    workers.py); the loader's collate_fn is the user's again before this returns.
 
     quiet: a holder (webdataset's WebLoader) measures the batches the loop takes; this
-    iterator only reports the workers and the end of its epochs.
+    iterator only reports the workers and the end of its epochs. A loader this cannot
+    plan for (a subclass without torch's attributes) is iterated as it is, unmeasured.
+    A subclass's __iter__ that returns a generator has not run torch's yet: it is
+    returned as it is, and measured where torch's runs (zerocode.py).
     """
     start = perf_counter_ns()
-    dle.start_epoch(loader)
-    count = counter_for(loader)
-    verify = count is batch_len and not quiet
-    batched = loader.batch_sampler is not None
-    if not loader.num_workers:
-        if verify:  # the main process checks a custom collate_fn's count itself
-            check = TimedCollate(loader.collate_fn, None, True, True, dle.rec.miscount)
-            it = _with_collate(loader, check, torch_iter)
-        else:
-            it = torch_iter(loader)
-        return _iterator(it, dle, start, 0, count, quiet)
-    if loader.persistent_workers and dle.tracking(compat.persistent_iterator(loader)):
-        it = torch_iter(loader)  # the same workers again: nothing new to hand them
-        return _iterator(it, dle, start, dle.track(it, None), count, quiet)
-    block = new_block(loader.num_workers)
-    it = _with_collate(loader, TimedCollate(loader.collate_fn, block, batched, verify),
-                       torch_iter)
-    return _iterator(it, dle, start, dle.track(it, block), count, quiet)
+    try:
+        plan = _Plan(loader, dle, quiet)
+    except Exception:
+        log.warning("dataloader %r: cannot instrument %s; it runs unmeasured", dle.name,
+                    type(loader).__qualname__, exc_info=True)
+        return torch_iter(loader)
+    it = _with_collate(loader, plan.collate, torch_iter) if plan.collate else torch_iter(loader)
+    if torch_iter is not zerocode.TORCH_ITER and inspect.isgenerator(it):
+        zerocode.lazy(torch_iter)
+        return it
+    if plan.started is not None and plan.started[0]() is it:  # workers prestart() hooked
+        dle.started = None
+        plan.block = plan.started[1]
+    gen = dle.track(it, plan.block) if plan.workers else 0
+    cls = QuietIterator if quiet else TimedIterator
+    return cls(it, dle, start, gen, plan.count)
+
+
+def prestart(loader: Any, dle: _Instruments, state_dict: Callable[[Any], Any]) -> Any:
+    """loader.state_dict() asked before the first iter(): torchdata starts the iterator
+    and its workers there, so they get their hook here, and iter() takes them over."""
+    workers = getattr(loader, "num_workers", 0) or 0
+    if not workers or compat.persistent_iterator(loader) is not None:
+        return state_dict(loader)
+    try:
+        block = new_block(workers)
+        collate = TimedCollate(loader.collate_fn, block, loader.batch_sampler is not None,
+                               counter_for(loader) is batch_len)
+    except Exception:
+        return state_dict(loader)
+    result = _with_collate(loader, collate, state_dict)
+    it = compat.persistent_iterator(loader)
+    if it is not None:
+        with contextlib.suppress(TypeError):
+            dle.started = (weakref.ref(it), block)
+    return result
 
 
 def _with_collate(loader: Any, collate: TimedCollate, torch_iter: Callable[[Any], Any]) -> Any:
+    """torch_iter(loader) while its collate_fn is `collate` (the user's again after)."""
     user = loader.collate_fn
     loader.collate_fn = collate
     try:
         return torch_iter(loader)
     finally:
         loader.collate_fn = user
-
-
-def _iterator(it: Any, dle: _Instruments, start: int, gen: int, count: Counter,
-              quiet: bool) -> TimedIterator:
-    cls = QuietIterator if quiet else TimedIterator
-    return cls(it, dle, start, gen, count)
 
 
 def holder_iter(holder: Any, inner: list[Any], dle: _Instruments,
@@ -243,7 +313,7 @@ def holder_iter(holder: Any, inner: list[Any], dle: _Instruments,
     zerocode.hold(inner, dle)
     dle.start_epoch(inner[0])
     rechunked = len(getattr(holder, "pipeline", ())) > len(inner)
-    count = batch_len if rechunked else counter_for(inner[0])
+    count = loader_len if rechunked else counter_for(inner[0])
     return TimedIterator(iterate(holder), dle, start, 0, count)
 
 
@@ -261,7 +331,7 @@ class TimedIterator:
                  "_start")
 
     def __init__(self, it: Any, owner: _Instruments, start_ns: int, gen: int = 0,
-                 count: Counter = batch_len) -> None:
+                 count: Counter = loader_len) -> None:
         self._it = it
         self._count = count
         self._owner = owner
@@ -281,8 +351,8 @@ class TimedIterator:
         except StopIteration:
             self._finish(True)
             raise
-        except Exception:
-            self._finish(False)  # not the end: a loop may skip a bad batch and go on
+        except Exception as e:
+            self._finish(False, e)  # not the end: a loop may skip a bad batch and go on
             raise
         t1 = perf_counter_ns()
         rec = self._rec
@@ -306,15 +376,15 @@ class TimedIterator:
             reraise_torch_worker_error(e)
         return batch
 
-    def _finish(self, clean: bool) -> None:
+    def _finish(self, clean: bool, exc: BaseException | None = None) -> None:
         if clean and self._done:
             return
         self._done = self._done or clean
         try:
             if clean:
                 self._owner.end(self._gen)
-            else:
-                self._owner.error()
+            elif exc is not None:
+                self._owner.error(exc, self._it)
         except Exception as e:
             reraise_torch_worker_error(e)
             log.debug("metrics bookkeeping failed at the end of an epoch", exc_info=True)
@@ -340,8 +410,8 @@ class QuietIterator(TimedIterator):
         except StopIteration:
             self._finish(True)
             raise
-        except Exception:
-            self._finish(False)
+        except Exception as e:
+            self._finish(False, e)
             raise
 
 
@@ -422,7 +492,7 @@ class WrappedLoader:
             start = perf_counter_ns()
             dle.start_epoch(self.loader)
             it = iter(self.loader)
-        return TimedIterator(it, dle, start, dle.track(it, None), batch_len)
+        return TimedIterator(it, dle, start, dle.track(it, None), loader_len)
 
     def __repr__(self) -> str:
         return f"<instrument.wrap of {self.loader!r}>"

@@ -1,19 +1,19 @@
 """Names for loaders nobody named: framework roles, and the place in the code that built them.
 
 Zero-code mode names a loader once, when it is built (zerocode.py decides which rule
-applies). The rules here read only the calling stack, so a name is the same on every rank
-and every restart of the same code:
+applies). The rules here read only the calling stack, never what was built before, so a
+name is the same on every rank and every restart of the same code:
 
 - role_from_stack: the role of the nearest framework method building it (ROLES:
   Lightning's train_dataloader, the HF Trainer's get_eval_dataloader, ...);
-- site_name: where the user's code built it, as ``FILE:LINE`` of the innermost frame
-  outside Python's own library, installed packages, torch and this project (``train.py:42``
-  for a loader built at line 42 of train.py, also when it is built inside webdataset's
-  WebLoader or torchdata called from that line). Two loaders built at one line from
-  different call chains (a helper that builds every loader, called from two places) are
-  told apart by the caller's site, joined with ``-``: the first keeps ``data.py:10``, the
-  next is ``data.py:10-train.py:31``. A loader built again by the same chain (each epoch,
-  say) keeps its name.
+- site_name: where the code built it, ``FILE:LINE`` of the innermost frame that is not
+  Python's standard library, torch, a data library or framework (LIBRARIES) or this
+  project, so a loader that webdataset's WebLoader or torchdata builds is named by the
+  line that called it. When that frame is inside a function, its caller's site follows,
+  joined with ``-``: a helper that builds loaders for two callers gives two names
+  (``data.py:10-train.py:31`` and ``data.py:10-train.py:32``), while a loader built at
+  a script's top level is just ``train.py:42``. Loaders built by one line from one
+  caller (a loop, or a comprehension over the splits) share a name.
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import sysconfig
-import threading
-from functools import cache
 from types import FrameType
 
 # The framework methods that build loaders, and the name their loaders get.
@@ -38,7 +35,6 @@ STACK_DEPTH = 64  # frames searched, once per loader built
 FRAMEWORKS = ("accelerate", "lightning", "lightning_fabric", "pytorch_lightning",
               "transformers")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what a loader name may hold (loadersettings)
-_OWN = ("instrument", "exporter", "dataloader_exporter", "diagnosis", "dashboards", "torch")
 
 
 def _frames(depth: int) -> list[FrameType]:
@@ -68,65 +64,39 @@ def role_from_stack(depth: int = STACK_DEPTH) -> str | None:
     return None
 
 
-@cache
-def _library_dirs() -> tuple[str, ...]:
-    """Directories whose code is not the user's: the standard library, installed
-    packages, and this project's and torch's packages wherever they live."""
-    paths = sysconfig.get_paths()
-    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    for name in _OWN:
-        module = sys.modules.get(name)
-        file = getattr(module, "__file__", None)
-        if file:
-            dirs.add(os.path.dirname(file))
-    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+# Top-level packages whose frames are never the place a loader was built, beside the
+# standard library: torch, the data libraries and frameworks that build loaders for their
+# callers, test runners, and this project.
+LIBRARIES = frozenset({
+    "torch", "torchdata", "webdataset", "datasets", "litdata", "streaming", "timm",
+    "lightning", "lightning_fabric", "pytorch_lightning", "accelerate", "transformers",
+    "instrument", "exporter", "dataloader_exporter", "diagnosis", "dashboards",
+    "_pytest", "pytest", "pluggy", "runpy", "importlib"}) | frozenset(sys.stdlib_module_names)
 
 
-def _is_user_file(filename: str) -> bool:
-    if not filename or filename.startswith("<frozen"):
-        return False
-    if filename.startswith("<"):
-        return True  # python -c, an interactive prompt: the user's own code
-    path = os.path.realpath(filename)
-    if os.sep + "site-packages" + os.sep in path or os.sep + "dist-packages" + os.sep in path:
-        return False
-    return not path.startswith(_library_dirs())
+def _is_library(frame: FrameType) -> bool:
+    module = frame.f_globals.get("__name__")
+    if not isinstance(module, str):
+        return True
+    return module.split(".", 1)[0] in LIBRARIES or frame.f_code.co_filename.startswith(
+        "<frozen")
 
 
-def user_stack(depth: int = STACK_DEPTH) -> tuple[tuple[str, int], ...]:
-    """(file, line) of each frame of the user's code on the calling stack, innermost first."""
-    return tuple((f.f_code.co_filename, f.f_lineno) for f in _frames(depth)
-                 if _is_user_file(f.f_code.co_filename))
+def _site(frame: FrameType) -> str:
+    base = os.path.basename(frame.f_code.co_filename.strip("<>")) or "code"
+    return _UNSAFE.sub("_", f"{base}:{frame.f_lineno}")
 
 
-def _site(filename: str, line: int) -> str:
-    base = os.path.basename(filename.strip("<>")) or "code"
-    return _UNSAFE.sub("_", f"{base}:{line}")
-
-
-class SiteNames:
-    """Names from the places in the code that built loaders (the module docstring)."""
-
-    def __init__(self) -> None:
-        self._owners: dict[str, tuple[tuple[str, int], ...]] = {}
-        self._lock = threading.Lock()
-
-    def name(self, stack: tuple[tuple[str, int], ...]) -> str | None:
-        """The name for a loader built by this user stack; None when there is none."""
-        if not stack:
-            return None
-        with self._lock:
-            parts: list[str] = []
-            for filename, line in stack:
-                parts.append(_site(filename, line))
-                candidate = "-".join(parts)
-                owner = self._owners.setdefault(candidate, stack)
-                if owner == stack:
-                    return candidate
-            n = 2  # the same sites all the way up, yet another stack: number it
-            while self._owners.setdefault(f"{candidate}-{n}", stack) != stack:
-                n += 1
-            return f"{candidate}-{n}"
+def site_name(depth: int = STACK_DEPTH) -> str | None:
+    """The name of a loader built by the calling code (the module docstring); None when
+    every frame is a library's."""
+    frames = [f for f in _frames(depth) if not _is_library(f)]
+    if not frames:
+        return None
+    name = _site(frames[0])
+    if frames[0].f_code.co_name != "<module>" and len(frames) > 1:
+        name += "-" + _site(frames[1])
+    return name
 
 
 def class_name(obj: object) -> str:

@@ -193,6 +193,7 @@ def _families(recs: list[LoaderRecorder]) -> Iterator[Family]:
     yield cpu
     yield samples
     yield beat
+    yield from _proc_families(recs)
     info = family(cat.INFO)
     for r in recs:
         if r.config:
@@ -200,6 +201,32 @@ def _families(recs: list[LoaderRecorder]) -> Iterator[Family]:
             info.add_metric([r.name, r.rank, *(known.get(k, "") for k in cat.INFO_LABELS[2:])],
                             1)
     yield info
+
+
+def _proc_families(recs: list[LoaderRecorder]) -> Iterator[Family]:
+    """Where the workers' time and memory go (/proc, procstat.py), and failures by cause."""
+    time_f, read_f, faults_f = (family(m) for m in (cat.WORKER_TIME, cat.WORKER_READ,
+                                                     cat.WORKER_MAJOR_FAULTS))
+    memory_f, max_f, fail_f = (family(m) for m in (cat.WORKER_MEMORY, cat.WORKER_MAX_RSS,
+                                                    cat.FAILURES))
+    for r in recs:
+        lr = [r.name, r.rank]
+        for cause, n in r.workers.failures.items():
+            fail_f.add_metric([*lr, cause], n)
+        fig = r.workers.proc_figures()
+        if fig is None:
+            continue  # no worker read (yet): unknown, not 0
+        split: list[tuple[Any, tuple[str, ...], tuple[int | None, ...], float]] = [
+            (time_f, cat.WORKER_STATES, (fig.running_ns, fig.waiting_ns, fig.blocked_ns), 1e9),
+            (read_f, cat.READ_SOURCES, (fig.read_storage, fig.read_syscalls), 1.0),
+            (memory_f, cat.MEMORY_KINDS, (fig.rss_bytes, fig.pss_bytes, fig.swap_bytes), 1.0)]
+        for fam, names, values, scale in split:
+            for label, v in zip(names, values, strict=True):
+                if v is not None:
+                    fam.add_metric([*lr, label], v / scale)
+        faults_f.add_metric(lr, fig.major_faults)
+        max_f.add_metric(lr, fig.max_rss_bytes)
+    yield from (time_f, read_f, faults_f, memory_f, max_f, fail_f)
 
 
 def _int(value: str | None) -> int | None:

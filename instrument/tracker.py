@@ -11,28 +11,39 @@ A watched worker that is gone counts as lost only when that is known: it was kil
 exited non-zero (read without reaping it: waitid with WNOWAIT, the check torch's own
 SIGCHLD handler makes, or a zombie's /proc stat), or it is gone when the loader raised.
 A worker that exits 0 has finished on purpose (an IterableDataset shard ran out, torch
-shut it down).
+shut it down). A worker that failed gets its cause when its exit says it (failures.py);
+one whose exit cannot be read is lost with no cause claimed.
+
+Each refresh also reads /proc for every live worker (procstat.py): where its time goes
+and its memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import psutil
 import torch
 
+from exporter.catalogue import FAILURE_CAUSES
+
+from .failures import OomWatch, cause_of_exit
+from .procstat import Figures, ProcAccount
 from .workers import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED
 
-CLEAN, FAILED = "clean", "failed"
+Exit = tuple[int | None, int | None]  # (the signal that ended it, or its exit code)
 
 
-def exit_status(pid: int) -> str | None:
-    """How a dead process ended, CLEAN or FAILED, without reaping it; None when unknown."""
+def exit_of(pid: int) -> Exit | None:
+    """How a dead process ended, without reaping it; None when unknown or still running."""
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except (ChildProcessError, OSError):
@@ -40,7 +51,9 @@ def exit_status(pid: int) -> str | None:
     else:
         if info is None or info.si_pid == 0:
             return None  # still running
-        return CLEAN if info.si_code == os.CLD_EXITED and info.si_status == 0 else FAILED
+        if info.si_code == os.CLD_EXITED:
+            return None, info.si_status
+        return info.si_status, None
     try:  # not our child (forkserver): a zombie still shows its exit code (Linux >= 3.5)
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
@@ -48,7 +61,24 @@ def exit_status(pid: int) -> str | None:
         return None
     if len(fields) < 50 or fields[0] != b"Z":
         return None
-    return CLEAN if int(fields[49]) == 0 else FAILED
+    status = int(fields[49])
+    if os.WIFSIGNALED(status):
+        return os.WTERMSIG(status), None
+    return None, os.WEXITSTATUS(status)
+
+
+def _signal_name(signo: int) -> str:
+    try:
+        return signal.Signals(signo).name
+    except ValueError:
+        return str(signo)
+
+
+def from_exitcode(code: int | None) -> Exit | None:
+    """multiprocessing's Process.exitcode (-signal, or the code) as an Exit."""
+    if code is None:
+        return None
+    return (-code, None) if code < 0 else (None, code)
 
 
 class _Totals:
@@ -109,7 +139,7 @@ class _Generation:
 class WorkerTracker:
     """Live workers, lost workers and per-worker totals for one (loader, rank)."""
 
-    def __init__(self, min_interval: float = 1.0) -> None:
+    def __init__(self, min_interval: float = 0.9) -> None:
         self.min_interval = min_interval
         self.active: int | None = None  # None: not known (yet)
         # True while the loader has workers this process cannot see: active is unknown.
@@ -123,6 +153,12 @@ class WorkerTracker:
         self._totals = _Totals()
         self._procs: dict[int, psutil.Process] = {}
         self._next = 0.0
+        self.proc = ProcAccount()
+        self.failures = dict.fromkeys(FAILURE_CAUSES, 0)
+        # Told of each failure with a cause: (cause, pid or None, what was seen).
+        self.report: Callable[[str, int | None, str], None] | None = None
+        self._unreported: list[tuple[str, int | None, str]] = []
+        self._oom: OomWatch | None = None
 
     # --- fed by the loader ------------------------------------------------------------
     def start(self, iterator: Any, block: torch.Tensor | None, pids: list[int]) -> int:
@@ -133,6 +169,7 @@ class WorkerTracker:
             key = self._ids
             self._live[key] = _Generation(block, [p for p in pids if p])
             self._next = 0.0
+            self._oom_watch().read()  # the count before these workers can be killed
         weakref.finalize(iterator, self._collected.append, key)  # no lock: see the docstring
         return key
 
@@ -145,6 +182,7 @@ class WorkerTracker:
                 gen.watched = False
                 for pid in gen.all_pids():
                     self._procs.pop(pid, None)
+                    self.proc.end(pid)
             self._next = 0.0  # the next read counts again: these workers are gone now
 
     def _fold_collected(self) -> None:
@@ -153,41 +191,94 @@ class WorkerTracker:
             gen = self._live.pop(self._collected.popleft(), None)
             if gen is None:
                 continue
+            self._next = 0.0  # its workers are gone: the next read counts again
             for pid in gen.all_pids():
                 self._procs.pop(pid, None)
                 self._done.discard(pid)
+                self.proc.end(pid)
             if gen.block is not None:
                 self._totals.add(gen.block)
 
     # --- read by the collector ---------------------------------------------------------
-    def refresh(self, now: float, on_error: bool = False) -> None:
-        """Re-counts live workers, at most once per min_interval unless on_error (the
-        loader raised: a worker gone now was lost, whatever its exit)."""
+    def refresh(self, now: float, on_error: bool = False,
+                exits: Callable[[int], Exit | None] | None = None) -> None:
+        """Re-counts live workers and reads their /proc figures, at most once per
+        min_interval unless on_error (the loader raised: a worker gone now was lost,
+        whatever its exit). exits: how a dead worker ended, where torch has reaped it."""
         with self._lock:
-            self._fold_collected()
-            if not on_error and now < self._next:
-                return
-            self._next = now + self.min_interval
-            watched = [g for g in self._live.values() if g.watched]
-            if self.blind and not watched:
-                self.active = None
-                return
-            known: set[int] = set().union(*(g.all_pids() for g in watched))
-            if watched and not known:
-                self.active = None  # workers exist, but none can be seen yet
-                return
-            alive = 0
-            for pid in known - self._done:
-                if self._alive(pid):
-                    alive += 1
-                    continue
-                how = exit_status(pid)
-                if how == FAILED or on_error:
-                    self.lost += 1
-                if how is not None or on_error:
-                    self._done.add(pid)
-                    self._procs.pop(pid, None)
-            self.active = alive
+            self._refresh(now, on_error, exits)
+        self._deliver()
+
+    def _refresh(self, now: float, on_error: bool,
+                 exits: Callable[[int], Exit | None] | None) -> None:
+        """refresh(), the lock held."""
+        self._fold_collected()
+        if not on_error and now < self._next:
+            return
+        self._next = now + self.min_interval
+        watched = [g for g in self._live.values() if g.watched]
+        if self.blind and not watched:
+            self.active = None
+            return
+        known: set[int] = set().union(*(g.all_pids() for g in watched))
+        if watched and not known:
+            self.active = None  # workers exist, but none can be seen yet
+            return
+        alive: list[int] = []
+        self._oom_watch().read()
+        for pid in sorted(known - self._done):
+            if self._alive(pid):
+                alive.append(pid)
+                continue
+            how = exit_of(pid) or (exits(pid) if exits is not None else None)
+            if (how is not None and how != (None, 0)) or on_error:
+                self.lost += 1
+                if how is not None:
+                    self._died(pid, how)
+            if how is not None or on_error:
+                self._done.add(pid)
+                self._procs.pop(pid, None)
+                self.proc.end(pid)
+        if not on_error:
+            self.proc.observe(alive, now)
+        self.active = len(alive)
+
+    def _oom_watch(self) -> OomWatch:
+        if self._oom is None:
+            self._oom = OomWatch()
+        return self._oom
+
+    def _died(self, pid: int, how: Exit) -> None:
+        """A worker that ended badly: its cause, from its exit (lock held)."""
+        signo, code = how
+        oom = signo == signal.SIGKILL and self._oom_watch().claim()
+        cause = cause_of_exit(signo, code, oom)
+        if cause is not None:
+            seen = f"exit code {code}" if signo is None else f"signal {_signal_name(signo)}"
+            self.failures[cause] += 1
+            self._unreported.append(
+                (cause, pid, seen + ("; the kernel's OOM-kill count rose" if oom else "")))
+
+    def fail(self, cause: str, pid: int | None = None, seen: str = "") -> None:
+        """Counts one failure and tells `report` of it (lock not held)."""
+        with self._lock:
+            self.failures[cause] += 1
+            self._unreported.append((cause, pid, seen))
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Tells `report` of the failures counted since (outside the lock: it reads us)."""
+        with self._lock:
+            pending, self._unreported = self._unreported, []
+        for failure in pending:
+            if self.report is not None:
+                with contextlib.suppress(Exception):  # a report must never break bookkeeping
+                    self.report(*failure)
+
+    def proc_figures(self) -> Figures | None:
+        """The workers' /proc figures (procstat.Figures); None where unknown."""
+        with self._lock:
+            return self.proc.figures()
 
     def _alive(self, pid: int) -> bool:
         proc = self._procs.get(pid)

@@ -50,7 +50,7 @@ import torch.utils.data
 from exporter.loadersettings import ENV_SETTINGS
 
 from . import envsettings
-from .naming import SiteNames, built_by_framework, class_name, role_from_stack, user_stack
+from .naming import built_by_framework, class_name, role_from_stack, site_name
 
 log = logging.getLogger("instrument")
 
@@ -61,7 +61,7 @@ _TorchDataLoader = torch.utils.data.DataLoader
 # Classes (module.qualname) that hold a torch DataLoader in `pipeline` and re-chunk its
 # batches before the loop takes them.
 HOLDERS = frozenset({"webdataset.compat.WebLoader"})
-_INIT, _ITER = "__init__", "__iter__"
+_INIT, _ITER, _STATE = "__init__", "__iter__", "state_dict"
 
 
 def _original(attr: str) -> Any:
@@ -122,7 +122,6 @@ _loaders = _Table()  # loader -> loader._Instruments
 _datasets = _Table()  # dataset -> Naming
 _own = _Table()  # plain loaders the user built over an adopted dataset (not copies)
 _held = _Table()  # torch loaders a holder iterates -> the holder's _Instruments
-_sites = SiteNames()
 _auto = False
 _lock = threading.Lock()
 _tls = threading.local()  # .outer: {(id(obj), kind): state} of the outermost hook running
@@ -180,6 +179,29 @@ def _hook_class(cls: type) -> None:
     if inspect.isfunction(it) and not hasattr(it, _MARK) and (
             not inspect.isgeneratorfunction(it)):
         setattr(cls, _ITER, _iter_hook(it))
+    state = own.get(_STATE)
+    if inspect.isfunction(state) and not hasattr(state, _MARK):
+        setattr(cls, _STATE, _state_hook(state))
+
+
+def _state_hook(original: Callable[[Any], Any]) -> Any:
+    """torchdata's StatefulDataLoader starts its workers in state_dict() when asked before
+    the first iter(): they get their hook there (loader.prestart)."""
+    @_mark(original)
+    def hooked(self: Any) -> Any:
+        dle = _loaders.get(self)
+        if dle is None or isinstance(self, _self_timed()):
+            return original(self)
+        from . import loader
+
+        return loader.prestart(self, dle, original)
+    return hooked
+
+
+def _self_timed() -> type:
+    from . import loader
+
+    return loader.DataLoader
 
 
 def _init_hook(original: Callable[..., None]) -> Any:
@@ -228,8 +250,16 @@ def _hooked_init(self: Any, *args: Any, **kwargs: Any) -> None:
     _init_via(self, TORCH_INIT, args, kwargs)
 
 
+_lazy: set[Callable[[Any], Any]] = set()  # subclass __iter__s that return generators
+
+
+def lazy(original: Callable[[Any], Any]) -> None:
+    """A subclass's __iter__ returned a generator: torch's runs later, and measures."""
+    _lazy.add(original)
+
+
 def _iter_via(self: Any, original: Callable[[Any], Any]) -> Any:
-    if _inside(self, "iter"):  # reached through super() from an outer hook: it measures
+    if _inside(self, "iter") or original in _lazy:  # an outer hook, or torch's later, measures
         return original(self)
     held = _held.get(self)
     dle = _loaders.get(self)
@@ -292,12 +322,15 @@ def _init_via(self: Any, original: Callable[..., None], args: tuple[Any, ...],
     # __init__, if this one reaches it.
     args, kwargs, left = envsettings.apply(naming.name, args, kwargs, original)
     pending = envsettings.Pending(naming.name, left)
+    try:  # before its __init__ runs, which may iterate it (timm's MultiEpochsDataLoader)
+        _instruments(self, naming)
+    except Exception:
+        log.warning("dataloader-exporter: cannot instrument %r", self, exc_info=True)
     with _outermost(self, "init", pending):
         original(self, *args, **kwargs)
     if pending.keys:
         envsettings.not_applied(naming.name, type(self), pending.keys)
     try:
-        _instruments(self, naming)
         if not naming.explicit:
             _datasets.put(dataset, naming)
         holder = _holder_on_stack()
@@ -312,6 +345,7 @@ def _instruments(loader_obj: Any, naming: Naming) -> Any:
 
     dle = _Instruments(naming.name, naming.registry, naming.metrics_dir, naming.port,
                        explicit=False)
+    dle.loader_class = type(loader_obj)
     _loaders.put(loader_obj, dle)
     return dle
 
@@ -325,7 +359,7 @@ def _naming_for(dataset: Any) -> Naming:
         return Naming(role)
     if inherited is not None and built_by_framework():  # a framework's copy of a loader
         return inherited
-    return Naming(_sites.name(user_stack()) or class_name(dataset))
+    return Naming(site_name() or class_name(dataset))
 
 
 # --- holders (webdataset's WebLoader) ---------------------------------------------------
@@ -426,6 +460,15 @@ def _collected(dle: Any) -> None:
         _unused.append(dle)
 
 
+def unmeasured() -> list[tuple[str, type]]:
+    """Zero-code loaders whose class iterates in a way no hook sees, never measured."""
+    out: list[tuple[str, type]] = []
+    for dle in _loaders.values():
+        if not dle.explicit and not dle.iterated and unmeasurable(dle.loader_class):
+            out.append((dle.name, dle.loader_class))
+    return out
+
+
 def never_iterated() -> list[str]:
     """Names of loaders instrumented by hand that never gave a batch, whose name got no
     batch from any other loader either (a framework rebuilt them out of our sight)."""
@@ -484,6 +527,12 @@ def _at_exit() -> None:
                     "not instrumented. Run the program under `dataloader-exporter run -- "
                     "...` (or set DATALOADER_EXPORTER_AUTO=1) to instrument every loader "
                     "without code changes.", name)
+        for name, cls in unmeasured():
+            envsettings.say_once(
+                "unused:" + name, "dataloader %r: no batch of it was measured. %s.__iter__ is "
+                "a generator that does not go through torch's DataLoader.__iter__, which "
+                "zero-code mode cannot time; to measure it, time the loop's own iterator with "
+                "instrument.wrap(iter(loader), name=...) each epoch", name, cls.__qualname__)
         for name in sorted(envsettings.unmatched()):
             envsettings.say_once("unmatched:" + name, "%s names loader %r, but no loader "
                                  "of that name was built here (loaders built: %s)",

@@ -30,12 +30,18 @@ HF_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_O
               "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def built_at(script: str, start: str) -> str:
+def built_at(script: str, start: str, caller: str | None = None) -> str:
     """The name zero-code mode gives a loader built on the first line of a script in
-    SCRIPTS that starts (indentation aside) with `start`: FILE:LINE (instrument/naming.py)."""
+    SCRIPTS that starts (indentation aside) with `start`: FILE:LINE, then -FILE:LINE of
+    the line starting with `caller` when it is built inside a function
+    (instrument/naming.py)."""
     lines = (SCRIPTS / script).read_text().splitlines()
-    line = next(n for n, text in enumerate(lines, 1) if text.lstrip().startswith(start))
-    return f"{script}:{line}"
+
+    def at(text: str) -> str:
+        line = next(n for n, t in enumerate(lines, 1) if t.lstrip().startswith(text))
+        return f"{script}:{line}"
+
+    return at(start) if caller is None else f"{at(start)}-{at(caller)}"
 
 
 def free_port() -> int:

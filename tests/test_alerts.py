@@ -14,6 +14,7 @@ from dashboards import model
 from dashboards.alert_cases import CASES
 from dashboards.alerting import EXPR_UID, expand, prometheus_rules
 from dashboards.alerts import ALERTS
+from exporter import catalogue as cat
 
 GRAFANA = yaml.safe_load(FILES["grafana/provisioning/alerting/alerts.yaml"])
 RULES = yaml.safe_load(FILES["prometheus/rules.yml"])
@@ -25,7 +26,8 @@ def test_the_issues_alerts_are_all_there_with_a_fix_in_each_description() -> Non
     assert len(names) == len(set(names))
     assert names == [
         "DataLoaderInputBound", "DataLoaderInputStraggler", "DataLoaderEpochStartStall",
-        "DataLoaderShmNearlyFull", "DataLoaderShmFull", "DataLoaderWorkerLost", "DataLoaderStalled",
+        "DataLoaderShmNearlyFull", "DataLoaderShmFull", "DataLoaderWorkerLost",
+        "DataLoaderWorkersCpuStarved", "DataLoaderStalled",
         "DataLoaderExporterDown", "DataLoaderSnapshotsStale", "DataLoaderGpuCollectorDown",
         "DataLoaderHostMemoryPressure"]
     for a in ALERTS:
@@ -35,6 +37,12 @@ def test_the_issues_alerts_are_all_there_with_a_fix_in_each_description() -> Non
     assert "persistent_workers=True" in by_name["DataLoaderEpochStartStall"].description
     assert by_name["DataLoaderShmFull"].severity == model.CRITICAL
     assert by_name["DataLoaderInputBound"].for_ == "10m"
+    lost = by_name["DataLoaderWorkerLost"]
+    assert "{{ $labels.cause }}" in lost.summary and cat.FAILURES.name in lost.expr
+    for cause in ("oom", "shm", "crash", "killed", "unknown"):
+        assert f"{cause} (" in lost.description, cause  # each cause with its fix
+    starved = by_name["DataLoaderWorkersCpuStarved"]
+    assert cat.WORKER_TIME.name in starved.expr and "num_workers" in starved.description
 
 
 def test_every_metric_an_alert_names_is_in_the_catalogue() -> None:

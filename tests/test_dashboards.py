@@ -215,6 +215,30 @@ def test_the_overview_has_every_panel_the_issue_asks_for() -> None:
         assert metric.name in gpu, metric.name
 
 
+def test_the_overview_shows_where_the_workers_time_goes_their_memory_and_failures() -> None:
+    shown = {p["title"]: p for _, p in panels("dataloader-overview") if p["type"] != "row"}
+    exprs = {title: " ".join(t["expr"] for t in p["targets"]) for title, p in shown.items()}
+    states = shown["Worker time by state"]
+    assert states["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert exprs["Worker time by state"].startswith("sum by (loader, state) (rate(")
+    assert cat.WORKER_TIME.name in exprs["Worker time by state"]
+    assert {t["legendFormat"] for t in shown["Worker memory"]["targets"]} == {
+        "{{loader}} {{kind}}", "{{loader}} largest worker (rss)"}
+    for title, metric in (("Worker memory", cat.WORKER_MEMORY),
+                          ("Worker memory", cat.WORKER_MAX_RSS), ("Worker reads", cat.WORKER_READ),
+                          ("Worker major page faults", cat.WORKER_MAJOR_FAULTS),
+                          ("Worker failures by cause", cat.FAILURES)):
+        assert metric.name in exprs[title], (title, metric.name)
+    stacked = [title for title, p in shown.items() if p["type"] == "timeseries" and
+               p["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] != "none"]
+    assert stacked == ["Worker time by state"]  # only parts of a whole stack
+
+
+def test_only_time_series_stack() -> None:
+    with pytest.raises(ValueError, match="only time series stack"):
+        model.Panel("x", "Good: y", model.COUNT, (("a", "b"),), model.STAT, stack=True)
+
+
 # --- the committed output ----------------------------------------------------------------------
 def test_the_committed_deploy_files_are_the_generated_ones(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "dataloader_exporter", "dashboards", "--out",

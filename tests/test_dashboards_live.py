@@ -42,7 +42,9 @@ while time.monotonic() < end and not os.path.exists(stop):
 """
 CORE_PANELS = {"Input stall share", "Fetch wait per batch", "Throughput: samples per second",
                "Throughput: batches per second", "Workers active against configured",
-               "/dev/shm used against size"}
+               "/dev/shm used against size",
+               # From /proc: Linux, as the trainer here runs (2 workers).
+               "Worker time by state", "Worker memory"}
 
 
 @dataclass

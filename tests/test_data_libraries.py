@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import require_module
@@ -149,8 +150,8 @@ def _rows_collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "text": [r["text"] for r in rows]}
 
 
-def _identity(rows: list[Any]) -> list[Any]:
-    return rows
+def _tensors_only(rows: list[Any]) -> list[Any]:
+    return [r[1] for r in rows]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -159,13 +160,13 @@ def test_a_custom_collate_is_counted_when_its_count_is_checked_and_not_when_it_f
     counted = instrument.DataLoader(Rows(), batch_size=4, num_workers=workers, name="c",
                                     collate_fn=_rows_collate, registry=registry)
     listed = instrument.DataLoader(Keyed(), batch_size=4, num_workers=workers, name="l",
-                                   collate_fn=_identity, registry=registry)
+                                   collate_fn=_tensors_only, registry=registry)
     assert [plain(b) for b in counted] == [plain(b) for b in TorchDataLoader(
         Rows(), batch_size=4, num_workers=workers, collate_fn=_rows_collate)]
     assert [plain(b) for b in listed] == [plain(b) for b in TorchDataLoader(
-        Keyed(), batch_size=4, num_workers=workers, collate_fn=_identity)]
+        Keyed(), batch_size=4, num_workers=workers, collate_fn=_tensors_only)]
     assert value(registry, cat.SAMPLES.name, loader="c", rank="0") == 10
-    # A list of 4 samples of 3 fields each: read as 3 fields that agree on 3, which the
+    # A list of each sample's tensor of 3: read as fields that agree on 3, which the
     # check against the 4 samples collated refutes. Not exported rather than wrong.
     assert value(registry, cat.SAMPLES.name, loader="l", rank="0") is None
     assert value(registry, cat.BATCHES.name, loader="l", rank="0") == 3
@@ -306,7 +307,7 @@ def test_a_loader_class_nothing_can_time_is_named_as_such_at_exit(tmp_path: Path
 
 
 # --- zero-code mode -----------------------------------------------------------------------
-STATEFUL = built_at("data_libraries.py", "return StatefulDataLoader(")
+STATEFUL = built_at("data_libraries.py", "return StatefulDataLoader(", "loader = stateful()")
 
 
 @pytest.fixture(scope="module")
@@ -379,3 +380,54 @@ def test_settings_reach_a_subclass_through_torchs_init_or_are_said_not_to(
     assert out.stderr.count("num_workers not applied: Own.__init__ takes no such argument") \
         == 1, out.stderr
     assert "Fixed.__init__ takes no" not in out.stderr
+
+
+# --- the counting rules themselves (instrument/batch.py) ------------------------------------
+def _t(*shape: int) -> torch.Tensor:
+    return torch.zeros(shape)
+
+
+@pytest.mark.parametrize(("batch", "custom", "item"), [
+    ((_t(4, 3), _t(4)), 4, 4),  # default_collate's tuple of columns
+    ({"text": ["a"] * 4, "input_ids": _t(4, 7)}, 4, 4),  # a text column first
+    ((["k"] * 4, ["t"] * 4, np.arange(4)), 4, 4),  # webdataset's keys, texts, classes
+    ([("k", "t", 1)] * 6, 6, 6),  # webdataset's .listed(6): rows of (key, text, class)
+    ([("k", _t(3), 1)] * 4, 4, 4),  # a collate_fn that returns its samples
+    (((_t(3),) * 4, ({"box": _t(4)},) * 4), 4, None),  # zip(*samples): columns of one kind
+    ({"input_ids": _t(7), "attention_mask": _t(7)}, 7, None),  # one sample, or 7 scalars?
+    ((_t(3, 8, 8), _t(3, 8, 8)), 3, None),  # one image and its mask
+    (_t(5, 2), 5, None),  # a lone tensor: a batch, by a loader's contract, or one sample
+    ([_t(3)] * 4, 3, None),  # four samples' tensors: misread, and caught by the check
+    (3, 1, 1),
+    (torch.tensor(2.0), 1, 1),
+    ({"id": 1, "text": "a"}, 1, 1),  # a record of scalars is one sample
+])
+def test_sample_counts_are_given_only_where_the_batch_shows_them(
+        batch: Any, custom: int | None, item: int | None) -> None:
+    from instrument.batch import batch_len, item_len, loader_len
+
+    assert batch_len(batch) == loader_len(batch) == custom
+    assert item_len(batch) == item
+
+
+def test_default_collate_is_counted_by_its_first_column_whatever_the_sample() -> None:
+    from instrument.batch import collated_len
+
+    samples = [{"text": f"r{i}", "ids": [i, i + 1], "label": i % 2, "raw": b"x"}
+               for i in range(5)]
+    assert collated_len(torch.utils.data.default_collate(samples)) == 5
+    assert collated_len(torch.utils.data.default_collate([("k", 1.0)] * 3)) == 3
+    assert collated_len(torch.utils.data.default_collate([torch.ones(2)] * 4)) == 4
+
+
+def test_a_stateful_dataloader_asked_for_its_state_first_keeps_its_worker_series(
+        registry: CollectorRegistry) -> None:
+    """torchdata starts the iterator's workers in state_dict() when it comes first (as
+    Accelerate does with use_stateful_dataloader): they report per worker all the same."""
+    loader = instrument.wrap(stateful(2, persistent=True), name="t", registry=registry)
+    loader.state_dict()
+    assert sum(len(b[1]) for b in loader) == 20
+    assert sum(per_worker(registry, cat.WORKER_SAMPLES).values()) == 20
+    assert sum(len(b[1]) for b in loader) == 20
+    assert value(registry, cat.SAMPLES.name, **L) == 40
+    assert sum(per_worker(registry, cat.WORKER_SAMPLES).values()) == 40

@@ -28,7 +28,7 @@ INTERVAL = 1.5
 TOP_KEYS = {"healthy", "machine", "jobs", "loaders", "source", "whole_run"}
 JOB_KEYS = {"loader", "ranks", "input_stall_share", "stragglers"}
 LOADER_KEYS = {"loader", "rank", "verdict", "figures", "findings", "recommendations", "healthy",
-               "unknowns"}
+               "unknowns", "workers", "failures"}
 
 
 def doctor(url: str, train: Callable[[], None], *extra: str) -> tuple[int, dict[str, Any]]:

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from exporter import catalogue as cat
 from instrument import zerocode
 
-ACCELERATE_LOADER = built_at("accelerate_train.py", "loader = DataLoader(")
+ACCELERATE_LOADER = built_at("accelerate_train.py", "loader = DataLoader(", "main(sys.argv[1])")
 
 
 def zero_code(tmp: Path, *command: str) -> Run:

@@ -56,8 +56,8 @@ def test_loaders_built_at_different_places_never_share_a_name(env_switch: Run) -
     loaders one helper builds for two callers: each its own series and dataloader_info."""
     truth = env_switch.truth[0]
     assert truth["plain_at"] == PLAIN and truth["val_at"] != PLAIN
-    helper = [n for n in truth["batches"] if n.count(":") >= 2 or "-" in n]
-    assert len(helper) == 1  # the second caller of the helper: its own name, with its site
+    helper = [n for n in truth["batches"] if "-" in n]
+    assert len(helper) == 2  # a name for each caller of the helper, with the caller's site
     info = {lab["loader"]: lab for lab in env_switch.labels(0, cat.INFO.name)}
     assert info[PLAIN]["batch_size"] == "3" and info[truth["val_at"]]["batch_size"] == "1"
     assert env_switch.value(0, cat.SAMPLES.name, loader=PLAIN) == 6
@@ -279,3 +279,50 @@ def test_zero_code_mode_gives_a_program_what_torch_alone_gives_it(tmp_path: Path
         assert ours[key] == bare[key], key
     assert ours["error"] == "ValueError: corrupt sample 3"
     assert ours["fds_back"] and bare["fds_back"]
+
+
+# --- loader subclasses of every shape, on two ranks --------------------------------------
+@pytest.fixture(scope="module")
+def odd_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Run]:
+    """tests/frameworks/odd_loaders.py under the environment switch, as rank 0 (which
+    builds a probe loader first) and rank 1, with a settings line for every loader."""
+    runs = {}
+    for rank in (0, 1):
+        tmp = tmp_path_factory.mktemp(f"odd-{rank}")
+        path = os.pathsep.join([autorun_dir(), str(SCRIPTS), str(REPO)])
+        runs[rank] = run_script(tmp, [sys.executable, str(SCRIPTS / "odd_loaders.py"),
+                                      str(tmp)],
+                                {"PYTHONPATH": path, "DATALOADER_EXPORTER_AUTO": "1",
+                                 "DATALOADER_EXPORTER_DIR": str(tmp / "m"), "RANK": str(rank),
+                                 "DATALOADER_EXPORTER_SETTINGS": "*.pin_memory=false"})
+    return runs
+
+
+def test_names_are_the_same_on_every_rank_whatever_was_built_before(
+        odd_ranks: dict[int, Run]) -> None:
+    train = built_at("odd_loaders.py", "return DataLoader(data(n)", "train = make(16)")
+    probe = built_at("odd_loaders.py", "return DataLoader(data(n)", "probe = make(4)")
+    for rank, run in odd_ranks.items():
+        assert run.value(rank, cat.BATCHES.name, loader=train) == 8, rank
+    assert odd_ranks[0].value(0, cat.BATCHES.name, loader=probe) == 2
+    assert odd_ranks[1].value(1, cat.BATCHES.name, loader=probe) is None
+
+
+def test_subclasses_of_every_shape_are_counted_once_and_run_as_without_us(
+        odd_ranks: dict[int, Run]) -> None:
+    run, truth = odd_ranks[1], odd_ranks[1].truth[1]
+    for key in ("lazy", "pinned", "multi"):  # [name, batches, samples] as the loop saw
+        name, batches, samples = truth["seen"][key]
+        assert run.value(1, cat.BATCHES.name, loader=name) == batches, key
+        assert run.value(1, cat.SAMPLES.name, loader=name) == samples, key
+    # __iter__ returning a generator that reaches torch's later: two epochs, not four.
+    assert run.value(1, cat.EPOCHS.name, loader=truth["seen"]["lazy"][0]) == 2
+    # A setting reaches torch's __init__ through a subclass that takes **kwargs and
+    # passes its own value: applied there, never "multiple values" for it.
+    assert truth["pinned"] is False
+    assert "got multiple values" not in run.log
+    # A subclass with none of torch's attributes runs as without us, and is said to take
+    # no settings.
+    assert truth["facade"] == [3, 6]
+    assert "pin_memory not applied: Facade.__init__ takes no such argument" in run.log
+    assert "cannot instrument" not in run.log

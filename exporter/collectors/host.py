@@ -21,6 +21,7 @@ from prometheus_client.metrics_core import Metric as Family
 
 from exporter import catalogue as c
 from exporter.collectors.base import LogOnce, family
+from exporter.facts.cgroup import own_cgroups
 
 log = logging.getLogger("exporter.host")
 
@@ -43,27 +44,6 @@ def read_meminfo(path: Path) -> dict[str, int]:
         if parts:
             out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
     return out
-
-
-def own_cgroups(proc_root: Path) -> tuple[str, str]:
-    """This process's cgroup v2 path and v1 memory-controller path ("/" if unknown)."""
-    v2 = v1 = "/"
-    try:
-        text = (proc_root / "self" / "cgroup").read_text()
-    except OSError:
-        return v2, v1
-    for line in text.splitlines():
-        parts = line.split(":", 2)  # hierarchy-id:controllers:path
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        if not path.startswith("/") or ".." in path.split("/"):
-            continue  # outside our cgroup namespace: fall back to the mount's root
-        if parts[0] == "0" and controllers == "":
-            v2 = path
-        elif "memory" in controllers.split(","):
-            v1 = path
-    return v2, v1
 
 
 class HostCollector:

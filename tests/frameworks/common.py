@@ -33,9 +33,15 @@ class Points(Dataset):  # type: ignore[type-arg]
 
 
 def site() -> str:
-    """The name zero-code mode gives a loader built on the caller's line: FILE:LINE."""
+    """The name zero-code mode gives a loader built on the caller's line: FILE:LINE, and
+    its caller's FILE:LINE after a '-' when that line is in a function (naming.py)."""
+    def at(frame: object) -> str:
+        return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"  # type: ignore[attr-defined]
+
     caller = sys._getframe(1)
-    return f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+    if caller.f_code.co_name != "<module>" and caller.f_back is not None:
+        return f"{at(caller)}-{at(caller.f_back)}"
+    return at(caller)
 
 
 def snapshot_value(name: str, loader: str, deadline_s: float = 5.0, at_least: float = 0.0

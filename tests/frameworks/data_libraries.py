@@ -33,7 +33,7 @@ batches = samples = 0
 state = None
 settings = []
 for round_ in range(2):
-    loader = stateful()
+    loader = stateful(); stateful_at = site()  # noqa: E702
     settings.append(loader.prefetch_factor)
     if state is not None:
         loader.load_state_dict(state)
@@ -57,7 +57,7 @@ web_batches = web_samples = 0
 for keys, _, _ in web:
     web_batches, web_samples = web_batches + 1, web_samples + len(keys)
 
-helper = f"data_libraries.py:{stateful.__code__.co_firstlineno + 1}"
+helper = f"data_libraries.py:{stateful.__code__.co_firstlineno + 1}-{stateful_at}"
 record(sys.argv[1], 0, stateful={"name": helper, "batches": batches, "samples": samples,
                                  "prefetch_factor": settings},
        web={"name": web_at, "batches": web_batches, "samples": web_samples})

@@ -43,10 +43,10 @@ plain = DataLoader(TensorDataset(torch.arange(6.0)), batch_size=3); plain_at = s
 val = DataLoader(TensorDataset(torch.arange(4.0)), batch_size=1); val_at = site()  # noqa: E702
 batches[plain_at] = count(plain)
 batches[val_at] = count(val)
-first = helper_loader(4)
+first, first_at = helper_loader(4), site()
 second, second_at = helper_loader(6), site()
 helper_at = f"plain_torch.py:{helper_loader.__code__.co_firstlineno + 1}"
-batches[helper_at] = count(first)
+batches[f"{helper_at}-{first_at}"] = count(first)
 batches[f"{helper_at}-{second_at}"] = count(second)
 mine = instrument.DataLoader(Squares(), batch_size=6, name="mine")
 batches["mine"] = count(mine)

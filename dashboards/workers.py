@@ -1,0 +1,72 @@
+"""The overview's row on the loader's workers as the trainer reads them from /proc: where
+their wall time goes (running, waiting for a CPU, blocked), their memory and reads, and
+why they failed. Each panel reads per loader; the $rank variable picks ranks."""
+
+from __future__ import annotations
+
+from exporter import catalogue as cat
+
+from .model import BYTES, BYTES_PER_SECOND, COUNT, Panel, Row
+from .promql import CPU_CONTENTION, LOADER, RATE_INTERVAL, rate, sel, workers_by_state
+
+W = RATE_INTERVAL
+
+WHY_WORKERS = Row("Why the workers are slow, and why they fail", (
+    Panel("Worker time by state",
+          "The loader's workers in each state, stacked, so the stack is its live workers: "
+          "running on a CPU, waiting for a CPU (runnable but queued: more workers than cores, "
+          "or other processes on them), and blocked (storage, the network, a lock, a full "
+          "queue or sleep); from /proc, Linux only. Good: while the loop waits for data (Input "
+          "stall share high) the largest part says what to fix. Mostly running: the samples "
+          "cost CPU (more workers only if cores are free, else cheaper samples or more cores). "
+          f"Waiting for a CPU {round(CPU_CONTENTION * 100)}% of the time or more: too many "
+          "workers for the cores they get (fewer workers; DataLoaderWorkersCpuStarved). "
+          "Mostly blocked: storage or the network (more workers, a deeper prefetch_factor, "
+          "caching, faster storage). While the loop does not wait, blocked is mostly workers "
+          "idle on a full queue, which is fine.",
+          COUNT, (("{{loader}} {{state}}", workers_by_state(LOADER, W, "loader")),),
+          stack=True),
+    Panel("Worker memory",
+          "Memory of the loader's live workers, summed: RSS (pages shared copy-on-write with "
+          "the main process count in every worker, so it overstates), PSS (shared pages "
+          "divided among their sharers: what the workers really cost, about PSS / workers "
+          "each) and swap; and the largest worker's RSS. Good: flat, with swap at 0. Growing: "
+          "something accumulates per worker (a cache, Python objects touched copy-on-access: "
+          "keep datasets in numpy arrays or tensors). Swap in use and growing slows workers to "
+          "a crawl and the OOM killer is next: fewer workers or a lower prefetch_factor. The "
+          "doctor never advises more workers than the memory available holds at this size.",
+          BYTES, (("{{loader}} {{kind}}",
+                   f"sum by (loader, kind) ({sel(cat.WORKER_MEMORY, LOADER)})"),
+                  ("{{loader}} largest worker (rss)",
+                   f"max by (loader) ({sel(cat.WORKER_MAX_RSS, LOADER)})"))),
+    Panel("Worker reads",
+          "Bytes per second the loader's workers read: from storage (block devices), and "
+          "through read calls of any kind (syscalls: the page cache and the network too). "
+          "Good: steady, and well under what the storage delivers. Workers mostly blocked "
+          "while storage reads sit near the device's limit: storage-bound (faster storage, "
+          "caching, fewer and larger reads). Blocked with many reads but few from storage: "
+          "the network; with few reads of any kind: not I/O at all (locks, sleep, a slow "
+          "remote API).",
+          BYTES_PER_SECOND,
+          (("{{loader}} {{source}}",
+            f"sum by (loader, source) ({rate(sel(cat.WORKER_READ, LOADER), W)})"),)),
+    Panel("Worker major page faults",
+          "Pages the loader's workers had to read back from disk or swap, per second: memory-"
+          "mapped files (numpy memmap, Arrow, LMDB) read on first touch, or swapped-out pages. "
+          "Good: near 0 once the data is warm. High while workers are blocked: they wait on "
+          "the disk through memory maps (faster storage, a warm page cache, or fewer workers "
+          "when it is swap: see Worker memory).",
+          COUNT, (("{{loader}}", f"sum by (loader) "
+                                 f"({rate(sel(cat.WORKER_MAJOR_FAULTS, LOADER), W)})"),)),
+    Panel("Worker failures by cause",
+          "Failures of the loader's workers in each interval, by the cause the trainer "
+          "observed: oom (killed while the cgroup's OOM-kill count rose: fewer workers, a "
+          "lower prefetch_factor or a higher memory limit), killed (another kill: a "
+          "scheduler, a watchdog, a person), crash (native code such as a decoding library: "
+          "run with num_workers=0 to see the traceback), shm (/dev/shm full: a larger "
+          "--shm-size or sizeLimit, fewer workers or a lower prefetch_factor), error (the "
+          "dataset raised). Good: nothing plotted.",
+          COUNT, (("{{loader}} rank {{rank}} {{cause}}",
+                   f"sum by (loader, rank, cause) (increase({sel(cat.FAILURES, LOADER)}[{W}])) "
+                   "> 0"),)),
+))

@@ -1,0 +1,277 @@
+"""Why the input is slow: where the loader's workers spend their wall time, what bounds
+them, and the number of workers and the queue depth that follow.
+
+The trainer splits the workers' wall time, summed over live workers, into running on a
+CPU, waiting for one (the run-queue delay of /proc/<pid>/schedstat) and blocked (the
+rest: storage, the network, a lock, a full queue or sleep). That split says why only
+while the training loop waits for input: otherwise blocked time is mostly workers idle
+on a full queue, and the bottleneck is "none". While it waits:
+
+- workers that swap, or whose next worker would not fit in memory, are bound by memory;
+- workers that wait for a CPU CPU_CONTENTION of their time or more are too many for the
+  cores they get (more workers than cores, or other processes on them): fewer;
+- otherwise the larger of running and blocked decides: running is CPU-bound work (more
+  workers only where cores are free, else cheaper samples or more cores); blocked waits
+  on something else (more workers overlap it, within the storage's cap and the cores
+  their running share needs; a deeper queue, caching or faster storage).
+
+Absent figures (no workers, or not Linux) give "unknown", and nothing is drawn from them.
+Every advice to add workers is capped by memory at the measured per-worker memory (PSS
+where the trainer reads it, else RSS, which counts copy-on-write pages in every worker
+and so errs high).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from diagnosis import advisor
+from diagnosis.machine import Machine
+from diagnosis.signals import LoaderSignals
+from diagnosis.units import gib, pct
+
+# Of their wall time runnable but not running: on an uncrowded machine the run-queue delay
+# is a few percent; a quarter means each worker gets at most three quarters of its CPU.
+CPU_CONTENTION = 0.25
+# Of total memory (host, or the container's limit) kept available after adding workers:
+# below 10% DataLoaderHostMemoryPressure fires and the OOM killer is near.
+MEMORY_RESERVE = 0.10
+MiB = float(1 << 20)
+# Growth of the workers' swap in a window: a few pages swapped out are noise, a MiB paging.
+SWAP_GROWTH = MiB
+
+CPU, CONTENTION, BLOCKED, MEMORY, NONE, UNKNOWN = (
+    "cpu", "cpu_contention", "blocked", "memory", "none", "unknown")
+BOTTLENECKS = (CPU, CONTENTION, BLOCKED, MEMORY, NONE, UNKNOWN)
+CHEAPER = ("make samples cheaper (decode or augment less, cache decoded samples, move "
+           "augmentation to the GPU) or give the job more cores")
+
+
+@dataclass
+class WorkerView:
+    """A diagnosis's `workers`: shares of the workers' wall time in the window, memory per
+    live worker, the bottleneck and the sentence that says why. None: unknown."""
+
+    running_share: float | None = None
+    waiting_for_cpu_share: float | None = None
+    blocked_share: float | None = None
+    rss_bytes: float | None = None  # per live worker: PSS where known, else RSS
+    memory_kind: str | None = None  # which rss_bytes is: "pss" or "rss"
+    bottleneck: str = UNKNOWN
+    why: str = ""
+    live_workers: float | None = None
+    cpu_cores_used: float | None = None  # running seconds per second: the cores they got
+    swap_bytes: float | None = None
+    max_rss_bytes: float | None = None
+    read_storage_bytes_per_second: float | None = None
+    read_bytes_per_second: float | None = None  # any read(): page cache and network too
+    major_faults_per_second: float | None = None
+    memory_room_bytes: float | None = None  # what more workers may take, reserve kept
+    memory_room_source: str | None = None  # "host" (MemAvailable) or "cgroup" (the limit)
+    more_workers_memory_allows: int | None = None
+    swapping: bool = False  # the workers' swap grows (or the host's, with theirs in it)
+
+
+def _rate(x: float | None, seconds: float) -> float | None:
+    return None if x is None or seconds <= 0 else x / seconds
+
+
+def memory_room(s: LoaderSignals, machine: Machine) -> tuple[float, str] | None:
+    """Memory more workers may take, keeping MEMORY_RESERVE free: the tighter of the
+    container's limit (when the exporter reports its cgroup) and the host's available."""
+    options = []
+    if s.cgroup_limit and s.cgroup_usage is not None:
+        options.append((s.cgroup_limit * (1 - MEMORY_RESERVE) - s.cgroup_usage, "cgroup"))
+    available = s.memory_available if s.memory_available is not None else \
+        machine.memory_available
+    total = s.memory_total or machine.memory_total
+    if available is not None and total:
+        options.append((available - MEMORY_RESERVE * total, "host"))
+    if not options:
+        return None
+    room, where = min(options)
+    return max(0.0, room), where
+
+
+def view(s: LoaderSignals, machine: Machine, starved: bool) -> WorkerView:
+    """The workers' figures and their bottleneck before any advice (see advise)."""
+    w = s.workers
+    v = WorkerView(live_workers=s.workers_active, swap_bytes=w.swap, max_rss_bytes=w.max_rss,
+                   read_storage_bytes_per_second=_rate(w.storage, s.seconds),
+                   read_bytes_per_second=_rate(w.syscalls, s.seconds),
+                   major_faults_per_second=_rate(w.major_faults, s.seconds),
+                   cpu_cores_used=_rate(w.running, s.seconds))
+    total = w.seconds
+    if total and w.running is not None and w.waiting_for_cpu is not None and \
+            w.blocked is not None:
+        v.running_share, v.waiting_for_cpu_share, v.blocked_share = (
+            w.running / total, w.waiting_for_cpu / total, w.blocked / total)
+    live = s.workers_active
+    memory = w.pss if w.pss is not None else w.rss
+    if memory is not None and live:
+        v.rss_bytes, v.memory_kind = memory / live, "pss" if w.pss is not None else "rss"
+    room = memory_room(s, machine)
+    if room is not None:
+        v.memory_room_bytes, v.memory_room_source = room
+        if v.rss_bytes:
+            v.more_workers_memory_allows = math.floor(room[0] / v.rss_bytes)
+    v.swapping = bool(w.swap) and ((w.swap_growth or 0.0) > SWAP_GROWTH or
+                                   s.swap_growth > SWAP_GROWTH)
+    v.bottleneck, v.why = _bottleneck(v, s, starved)
+    return v
+
+
+def unknown(rank: str, workers: int | None) -> str:
+    """The `unknowns` line of a rank whose bottleneck is unknown: why, and what would tell."""
+    return f"rank {rank}: why the input is slow is unknown: " + (
+        "the loader has no workers (num_workers=0)" if workers == 0 else
+        "no worker time figures; /proc figures (Linux) from a loader with workers would tell")
+
+
+def _bottleneck(v: WorkerView, s: LoaderSignals, starved: bool) -> tuple[str, str]:
+    w = s.workers
+    if not starved:
+        return NONE, "the loop does not wait for input"
+    if v.swapping and w.swap:
+        each = f"; each worker holds {gib(v.rss_bytes)} ({_kind(v)})" if v.rss_bytes else ""
+        return MEMORY, (f"the workers swap ({gib(w.swap)} of theirs in swap, growing): memory, "
+                        f"not CPU, is the limit{each}; use fewer workers or a lower "
+                        "prefetch_factor, and datasets that share memory (numpy arrays or "
+                        "tensors, not lists of Python objects)")
+    if v.running_share is None or v.waiting_for_cpu_share is None or v.blocked_share is None:
+        return UNKNOWN, ("where the workers' time goes is unknown: no /proc figures (Linux) "
+                         "from a loader with workers")
+    if v.waiting_for_cpu_share >= CPU_CONTENTION:
+        return CONTENTION, (f"the workers wait for a CPU {pct(v.waiting_for_cpu_share)} of "
+                            "their time: more workers than the cores they get, or other "
+                            "processes on those cores")
+    if v.running_share >= v.blocked_share:
+        return CPU, f"the workers run {pct(v.running_share)} of their time: the samples cost CPU"
+    return BLOCKED, (f"the workers are blocked {pct(v.blocked_share)} of their time while the "
+                     "loop waits: on storage, the network, a lock or sleep" + _reads(v))
+
+
+def _kind(v: WorkerView) -> str:
+    return (v.memory_kind or "").upper()
+
+
+def _reads(v: WorkerView) -> str:
+    """What they read, as a hint at what blocks them (never a claim of I/O unseen)."""
+    if v.read_bytes_per_second is None:
+        return ""
+    if v.read_bytes_per_second < MiB:
+        return " (they read under 1 MiB/s)"
+    disk = ("" if v.read_storage_bytes_per_second is None else
+            f", {gib(v.read_storage_bytes_per_second)}/s of it from storage")
+    return f" (they read {gib(v.read_bytes_per_second)}/s{disk})"
+
+
+@dataclass(frozen=True)
+class Advice:
+    """num_workers for one rank, why, and what could not be checked."""
+
+    workers: int
+    why: str
+    unknown: str = ""
+
+
+def advise(v: WorkerView, s: LoaderSignals, workers: int, starved: bool, machine: Machine,
+           local_ranks: int, cuda: bool) -> Advice:
+    """num_workers as the bottleneck says (none or unknown: the config-based advisor), then
+    never more than memory allows; a bottleneck that memory binds becomes MEMORY."""
+    cores = advisor.worker_cores(machine.cpu, local_ranks, cuda)
+    n_cores = f"{cores} core{'' if cores == 1 else 's'} per local rank"
+    if v.bottleneck == CONTENTION:
+        if workers <= 1:
+            v.why += "; other processes take the cores: give the job more cores"
+            return Advice(workers, v.why)
+        got = max(1, min(cores, round(v.cpu_cores_used or 0.0)))
+        return Advice(min(got, workers - 1), (
+            f"{v.why}; they get about {v.cpu_cores_used or 0:.1f} cores' worth between them "
+            f"({n_cores}), and more workers only queue for them"))
+    if v.bottleneck == MEMORY:
+        per = v.rss_bytes or 0.0
+        drop = max(1, math.ceil((v.swap_bytes or 0.0) / per)) if per else 1
+        return Advice(max(1, workers - drop) if workers > 1 else workers, v.why)
+    if v.bottleneck == CPU:
+        if workers >= cores:
+            v.why += f"; no core is free for another worker ({n_cores}): {CHEAPER}"
+            return Advice(workers, v.why)
+        advice = Advice(cores, f"{v.why}, and {cores - workers} of the {n_cores} are free")
+    elif v.bottleneck == BLOCKED:
+        busy = (v.running_share or 0.0) + (v.waiting_for_cpu_share or 0.0)
+        cap = advisor.blocked_cap(machine.cpu, local_ranks, cuda, machine.storage)
+        fits = math.floor(cores / busy) if busy > 0 else cap  # the cores their CPU needs
+        target = min(cap, fits)
+        if target <= workers:
+            v.why += (f"; more workers would pass the cap for {machine.storage} storage or "
+                      f"the {n_cores}: a deeper prefetch_factor, caching or faster storage")
+            return Advice(workers, v.why)
+        advice = Advice(target, f"{v.why}; more workers overlap the waits (each needs "
+                                f"{pct(busy)} of a core; {n_cores}, {machine.storage} storage)")
+    else:
+        advice = _configured(s, workers, starved, machine, local_ranks, cuda, n_cores)
+    return _memory_cap(v, s, workers, advice)
+
+
+def _configured(s: LoaderSignals, workers: int, starved: bool, machine: Machine,
+                local_ranks: int, cuda: bool, n_cores: str) -> Advice:
+    """The advisor's count from the configuration, cores and storage alone."""
+    n = advisor.advised_workers(workers, starved, machine.cpu, local_ranks, cuda,
+                                machine.storage)
+    spare = "" if cuda else ", keeping a core for the training loop, which runs on the CPU"
+    share = (f"{machine.cpu.describe()} shared by {local_ranks} local rank"
+             f"{'' if local_ranks == 1 else 's'}")
+    if n > workers:
+        return Advice(n, f"the loop waits for data {pct(s.stall_share)} of the time and "
+                         f"{n_cores} can load in parallel ({share}; storage: "
+                         f"{machine.storage}{spare})")
+    return Advice(n, f"more workers than the {n_cores} ({share}{spare}) only fight for CPU")
+
+
+def _memory_cap(v: WorkerView, s: LoaderSignals, workers: int, advice: Advice) -> Advice:
+    if advice.workers <= workers:
+        return advice
+    allowed = v.more_workers_memory_allows
+    if allowed is None:
+        return Advice(advice.workers, advice.why, (
+            f"rank {s.rank}: the advice to add workers is not checked against memory: the "
+            "memory per worker is unknown (/proc figures, Linux, from a loader with workers)"
+            if v.rss_bytes is None else f"rank {s.rank}: the advice to add workers is not "
+            "checked against memory: the memory available is unknown"))
+    if workers + allowed >= advice.workers:
+        return advice
+    source = ("the container's memory limit less its usage" if v.memory_room_source == "cgroup"
+              else "the host's available memory")
+    limit = (f"memory, not CPU, is the limit: each worker holds {gib(v.rss_bytes or 0.0)} "
+             f"({_kind(v)}); {gib(v.memory_room_bytes or 0.0)} available allows {allowed} more "
+             f"({source}, keeping {pct(MEMORY_RESERVE)} of the total free)")
+    if allowed == 0 and v.bottleneck in (CPU, BLOCKED):  # not one more worker fits
+        v.bottleneck, v.why = MEMORY, f"{v.why}; {limit}"
+    return Advice(workers + allowed, f"{advice.why}; {limit}")
+
+
+def prefetch(v: WorkerView, s: LoaderSignals, starved: bool, workers: int, eff_workers: int,
+             current: int, memory_risk: bool) -> tuple[int, str, str]:
+    """prefetch_factor, why (empty: no advice, drawn from nothing known), and what is not
+    known; memory_risk: /dev/shm or memory ran out, or would."""
+    busy = s.worker_cpu_share
+    if current > 1 and ((v.swapping and v.bottleneck == MEMORY) or memory_risk):
+        return max(1, current // 2), ("fewer batches in flight keep /dev/shm and memory "
+                                      "within bounds"), ""
+    if v.bottleneck == BLOCKED or (v.bottleneck == MEMORY and not v.swapping and (
+            v.blocked_share or 0.0) > (v.running_share or 0.0)):  # no room for a worker
+        return max(4, current), (f"workers are blocked {pct(v.blocked_share)} of their time "
+                                 "while the loop waits: a deeper queue per worker hides slow "
+                                 "reads"), ""
+    if v.bottleneck in (CPU, CONTENTION):
+        return current, "a deeper queue does not make samples cheaper to compute", ""
+    if starved and workers and busy is None:  # how busy the workers are is unknown
+        return current, "", ("worker busy time unknown (no per-worker figures): no advice on "
+                             "prefetch_factor from it")
+    if starved and eff_workers and busy is not None and busy < 0.7 and workers:
+        return max(4, current), (f"workers use only {pct(busy)} of a core each yet the loop "
+                                 "waits: samples wait on I/O or cost unevenly, and a deeper "
+                                 "queue hides that"), ""
+    return current, "the default queue of two batches per worker is enough here", ""

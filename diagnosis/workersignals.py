@@ -1,0 +1,72 @@
+"""The loader's workers as /proc shows them, read from a window's series.
+
+The trainer sums each figure over a loader's live workers (catalogue.WORKER_*): the three
+states of their wall time and their reads are counters, read as increases over the
+window; memory is a gauge, read at the window's end. A figure that is not exported (no
+workers, or not Linux) stays None: unknown, never 0. Failures by cause are totals, read
+as dataloader_workers_lost_total is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from exporter import catalogue as cat
+
+Series = Mapping[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@dataclass
+class WorkerSignals:
+    """What the loader's live workers did in a window, summed over them; None: unknown."""
+
+    # seconds in the window by state (catalogue.WORKER_STATES)
+    running: float | None = None
+    waiting_for_cpu: float | None = None
+    blocked: float | None = None
+    # bytes read in the window by source (catalogue.READ_SOURCES)
+    storage: float | None = None
+    syscalls: float | None = None
+    major_faults: float | None = None
+    # bytes at the window's end by kind (catalogue.MEMORY_KINDS)
+    rss: float | None = None
+    pss: float | None = None
+    swap: float | None = None
+    swap_growth: float | None = None  # the workers' swap, last minus first in the window
+    max_rss: float | None = None  # the largest live worker's
+
+    @property
+    def seconds(self) -> float | None:
+        """Their wall time in the window, the three states together; None if one is
+        unknown."""
+        if self.running is None or self.waiting_for_cpu is None or self.blocked is None:
+            return None
+        return self.running + self.waiting_for_cpu + self.blocked
+
+
+def _get(series: Series, name: str, **labels: str) -> float | None:
+    return series.get((name, tuple(sorted(labels.items()))))
+
+
+def read_workers(increase: Series, latest: Series, change: Series,
+                 lr: dict[str, str]) -> WorkerSignals:
+    """One (loader, rank)'s worker figures; `change` is empty for a whole run (no growth
+    can be told from one reading)."""
+    times = {st: _get(increase, cat.WORKER_TIME.name, **lr, state=st) for st in cat.WORKER_STATES}
+    reads = {src: _get(increase, cat.WORKER_READ.name, **lr, source=src)
+             for src in cat.READ_SOURCES}
+    memory = {k: _get(latest, cat.WORKER_MEMORY.name, **lr, kind=k) for k in cat.MEMORY_KINDS}
+    growth = _get(change, cat.WORKER_MEMORY.name, **lr, kind="swap") if change else None
+    return WorkerSignals(**times, **reads, **memory,  # the catalogue's label values
+                         major_faults=_get(increase, cat.WORKER_MAJOR_FAULTS.name, **lr),
+                         swap_growth=growth, max_rss=_get(latest, cat.WORKER_MAX_RSS.name, **lr))
+
+
+def read_failures(latest: Series, lr: dict[str, str]) -> dict[str, float] | None:
+    """cause -> failures so far (catalogue.FAILURE_CAUSES); None when the trainer does not
+    export causes (then a lost worker's cause is unknown)."""
+    causes = {c: _get(latest, cat.FAILURES.name, **lr, cause=c) for c in cat.FAILURE_CAUSES}
+    if all(v is None for v in causes.values()):
+        return None
+    return {c: v or 0.0 for c, v in causes.items()}

@@ -1,0 +1,80 @@
+"""The memory cgroup a process is in, and the kernel's count of OOM kills in it.
+
+A DataLoader worker killed by the kernel's OOM killer dies of SIGKILL like one killed by
+anything else; only the kernel's own count tells them apart. It counts OOM kills per
+memory cgroup (v2: ``oom_kill`` in memory.events, hierarchical, every kind of OOM killer;
+v1: ``oom_kill`` in memory.oom_control, kernel 4.13 and later) and for the whole machine
+(``oom_kill`` in /proc/vmstat). Paths come from /proc/self/cgroup, relative to the cgroup
+filesystem's mount (a container sees its own cgroup as the mount's root). Roots are
+injected so tests can use fixtures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PROC = "/proc"
+CGROUP = "/sys/fs/cgroup"
+
+
+def own_cgroups(proc_root: Path) -> tuple[str, str]:
+    """This process's cgroup v2 path and v1 memory-controller path ("/" if unknown)."""
+    v2 = v1 = "/"
+    try:
+        text = (proc_root / "self" / "cgroup").read_text()
+    except OSError:
+        return v2, v1
+    for line in text.splitlines():
+        parts = line.split(":", 2)  # hierarchy-id:controllers:path
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if not path.startswith("/") or ".." in path.split("/"):
+            continue  # outside our cgroup namespace: fall back to the mount's root
+        if parts[0] == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v2, v1
+
+
+def _count(path: Path, key: str) -> int | None:
+    """The value of `key` in a "key value" per line file; None if absent or unreadable."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            try:
+                return int(value.strip())
+            except ValueError:
+                return None
+    return None
+
+
+def oom_kill_files(proc_root: str = PROC, cgroup_root: str = CGROUP) -> list[Path]:
+    """Where the OOM kills of this process's memory cgroup are counted, best first: its
+    own cgroup's file (v2, then v1), the mount root's (a container's own cgroup)."""
+    root, proc = Path(cgroup_root), Path(proc_root)
+    v2, v1 = own_cgroups(proc)
+    candidates = [root / v2.lstrip("/") / "memory.events", root / "memory.events",
+                  root / "memory" / v1.lstrip("/") / "memory.oom_control",
+                  root / "memory" / "memory.oom_control"]
+    return [p for p in dict.fromkeys(candidates) if _count(p, "oom_kill") is not None]
+
+
+class OomKills:
+    """The kernel's count of OOM kills that would have hit this process's workers: their
+    memory cgroup's, else the machine's (/proc/vmstat) where no memory cgroup counts."""
+
+    def __init__(self, proc_root: str = PROC, cgroup_root: str = CGROUP) -> None:
+        files = oom_kill_files(proc_root, cgroup_root)
+        self.source: Path | None = files[0] if files else Path(proc_root) / "vmstat"
+        if _count(self.source, "oom_kill") is None:
+            self.source = None  # no count anywhere: an OOM kill cannot be told apart
+
+    def count(self) -> int | None:
+        """The count now; None when the kernel does not say."""
+        return None if self.source is None else _count(self.source, "oom_kill")

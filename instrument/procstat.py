@@ -1,0 +1,217 @@
+"""Where a worker process's time and memory go, from /proc/<pid> (Linux).
+
+Read by the main process about once a second per live worker (tracker.py), never by the
+workers and never on the per-batch path. One sample is a handful of small reads (about
+60 µs a worker here); PSS (/proc/<pid>/smaps_rollup) walks the worker's page tables,
+about 4 ms for a 200 MB worker and more for bigger ones, so it is read only when cheap:
+each read pushes the next one back so that it takes at most PSS_BUDGET of one core.
+
+Time, all cumulative since the process started:
+- running: on a CPU, user and system (utime + stime of every thread, /proc/<pid>/stat);
+- waiting for a CPU: runnable but in the run queue (the second field of each thread's
+  /proc/<pid>/task/<tid>/schedstat), which needs no delay accounting;
+- wall: since the process started (its start time in /proc/<pid>/stat).
+What is neither running nor waiting is blocked: storage, the network, a lock, a full
+queue, sleep. Nothing here claims I/O that was not seen; bytes read (io) and major page
+faults say what blocking may have been. A worker whose threads run at once can run more
+than its wall time: blocked is then 0, never negative.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+PROC = "/proc"
+PSS_BUDGET = 0.005  # of one core, for reading PSS (its cost grows with the worker's memory)
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+@dataclass(frozen=True)
+class ProcSample:
+    """One process's cumulative figures; None where the kernel did not say."""
+
+    start_ticks: int  # start time since boot, in clock ticks: tells a reused pid apart
+    wall_ns: int
+    running_ns: int
+    waiting_ns: int | None
+    major_faults: int
+    rss_bytes: int
+    swap_bytes: int | None
+    read_storage: int | None
+    read_syscalls: int | None
+
+    @property
+    def blocked_ns(self) -> int | None:
+        if self.waiting_ns is None:
+            return None
+        return max(0, self.wall_ns - self.running_ns - self.waiting_ns)
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _fields(text: bytes) -> dict[bytes, int]:
+    """"key: value [kB]" lines as {key: value in bytes or units}."""
+    out = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(b":")
+        parts = rest.split()
+        if parts:
+            try:
+                out[key] = int(parts[0]) * (1024 if parts[1:2] == [b"kB"] else 1)
+            except ValueError:
+                continue
+    return out
+
+
+def _waiting_ns(base: str) -> int | None:
+    """The run-queue wait of every thread of a process, summed (schedstat's 2nd field)."""
+    try:
+        tids = os.listdir(f"{base}/task")
+    except OSError:
+        tids = []
+    total, seen = 0, False
+    for tid in tids:
+        text = _read(f"{base}/task/{tid}/schedstat")
+        parts = text.split() if text else []
+        if len(parts) >= 2:
+            total += int(parts[1])
+            seen = True
+    return total if seen else None
+
+
+def sample(pid: int, proc: str = PROC) -> ProcSample | None:
+    """The figures of a live process; None when it is gone or /proc cannot be read."""
+    base = f"{proc}/{pid}"
+    stat = _read(f"{base}/stat")
+    if stat is None:
+        return None
+    try:
+        f = stat.rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        if f[0] in (b"Z", b"X"):
+            return None  # a zombie: it has ended
+        majflt, utime, stime = int(f[9]), int(f[11]), int(f[12])
+        start, rss_pages = int(f[19]), int(f[21])
+    except (IndexError, ValueError):
+        return None
+    now_ns = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+    status = _fields(_read(f"{base}/status") or b"")
+    io = _fields(_read(f"{base}/io") or b"")
+    return ProcSample(
+        start_ticks=start,
+        wall_ns=max(0, now_ns - start * 1_000_000_000 // _TICK),
+        running_ns=(utime + stime) * 1_000_000_000 // _TICK,
+        waiting_ns=_waiting_ns(base),
+        major_faults=majflt,
+        rss_bytes=rss_pages * _PAGE,
+        swap_bytes=status.get(b"VmSwap"),
+        read_storage=io.get(b"read_bytes"),
+        read_syscalls=io.get(b"rchar"),
+    )
+
+
+class PssReader:
+    """PSS of processes, read only when cheap (PSS_BUDGET of one core, see above)."""
+
+    def __init__(self, proc: str = PROC, budget: float = PSS_BUDGET) -> None:
+        self.proc = proc
+        self.budget = budget
+        self._next = 0.0
+        self.last: dict[int, int] = {}  # pid -> PSS bytes at the last read
+
+    def read(self, pids: list[int], now: float) -> dict[int, int]:
+        """PSS by pid: read now if due, else the last figures (of pids still asked for)."""
+        if now >= self._next:
+            t0 = time.thread_time()
+            fresh = {}
+            for pid in pids:
+                pss = _fields(_read(f"{self.proc}/{pid}/smaps_rollup") or b"").get(b"Pss")
+                if pss is not None:
+                    fresh[pid] = pss
+            self.last = fresh
+            self._next = now + (time.thread_time() - t0) / self.budget
+        return {pid: v for pid, v in self.last.items() if pid in pids}
+
+
+@dataclass(frozen=True)
+class Figures:
+    """A loader's workers, ended and live together: cumulative counters (None where not
+    every sample had the figure) and the live workers' memory."""
+
+    running_ns: int
+    waiting_ns: int | None
+    blocked_ns: int | None
+    major_faults: int
+    read_storage: int | None
+    read_syscalls: int | None
+    rss_bytes: int
+    max_rss_bytes: int
+    pss_bytes: int | None
+    swap_bytes: int | None
+
+
+_SUMMED = ("running_ns", "waiting_ns", "blocked_ns", "major_faults", "read_storage",
+           "read_syscalls")
+
+
+class ProcAccount:
+    """The /proc figures of one loader's workers: each live worker's latest sample, plus
+    the last sample of every worker that ended, so the counters only grow (a worker's last
+    second before it ends is not seen)."""
+
+    def __init__(self, proc: str = PROC) -> None:
+        self.proc = proc
+        self.live: dict[int, ProcSample] = {}
+        self._ended: dict[str, int | None] = dict.fromkeys(_SUMMED, 0)
+        self._pss = PssReader(proc)
+        self._pss_now: dict[int, int] = {}
+
+    def observe(self, pids: list[int], now: float) -> None:
+        """Samples the live workers `pids`; a worker that cannot be read has ended."""
+        for pid in pids:
+            got = sample(pid, self.proc)
+            old = self.live.get(pid)
+            if old is not None and (got is None or got.start_ticks != old.start_ticks):
+                self.end(pid)
+            if got is not None:
+                self.live[pid] = got
+        self._pss_now = self._pss.read(sorted(self.live), now)
+
+    def end(self, pid: int) -> None:
+        """A worker ended: its last sample joins the totals."""
+        last = self.live.pop(pid, None)
+        if last is None:
+            return
+        for name in _SUMMED:
+            value, total = getattr(last, name), self._ended[name]
+            self._ended[name] = None if value is None or total is None else total + value
+
+    def figures(self) -> Figures | None:
+        """None until a worker has been read (no workers, or no /proc: unknown)."""
+        live = list(self.live.values())
+        if not live and self._ended["running_ns"] == 0:
+            return None
+        sums: dict[str, int | None] = {}
+        for name in _SUMMED:
+            values = [getattr(s, name) for s in live]
+            total = self._ended[name]
+            sums[name] = None if total is None or None in values else total + sum(
+                v for v in values if v is not None)
+        swaps = [s.swap_bytes for s in live]
+        pss = [self._pss_now.get(pid) for pid in self.live]
+        return Figures(
+            running_ns=sums["running_ns"] or 0, waiting_ns=sums["waiting_ns"],
+            blocked_ns=sums["blocked_ns"], major_faults=sums["major_faults"] or 0,
+            read_storage=sums["read_storage"], read_syscalls=sums["read_syscalls"],
+            rss_bytes=sum(s.rss_bytes for s in live),
+            max_rss_bytes=max((s.rss_bytes for s in live), default=0),
+            pss_bytes=None if None in pss else sum(p for p in pss if p is not None),
+            swap_bytes=None if None in swaps else sum(s for s in swaps if s is not None))
