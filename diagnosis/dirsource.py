@@ -7,18 +7,26 @@ the newest file wins. Unlike the sidecar, the doctor never drops nor deletes a f
 its age (stale_after and remove_after are infinite): an ended run's files are exactly
 what it was asked to read, and they are the user's.
 
-A live writer rewrites its file every second, so a newest valid file younger than
+A live writer rewrites its file every second, so a newest file younger than
 LIVE_WITHIN means a live run: it is read twice, `interval` apart, like an exporter's
-/metrics. Otherwise the run has ended (or the files are a copy) and one reading gives
-the whole run (Window.whole_run).
+/metrics (a live run that hands out no batch is idle or stalled, never "ended"). Otherwise
+the run has ended (or the files are a copy) and one reading gives the whole run
+(Window.whole_run).
+
+One run's files are those written within RUN_SPAN of the newest: a file older than that
+is an earlier run's (a restart, or last week's job in the same volume), and is left out,
+said on stderr. The ranks a host's files hold share its machine (the host is in each
+file's name): that is each rank's count of local ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
+import stat
 import time
 from collections.abc import Callable, Iterator
 
@@ -26,10 +34,25 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from diagnosis.signals import Scrape, Window, window_of
 from exporter import catalogue as cat
-from exporter.collectors.trainer import SUFFIX, TrainerCollector
+from exporter.collectors import snapshot
+from exporter.collectors.trainer import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_SERIES,
+    DEFAULT_STALE_AFTER,
+    SUFFIX,
+    TrainerCollector,
+)
 
 LIVE_WITHIN = 5.0  # seconds: a live writer rewrites its file every second
+RUN_SPAN = DEFAULT_STALE_AFTER  # what the sidecar counts as one run's files, too
 WHOLE_RUN = "rates per second of loop time"
+
+
+def ended(scrape: Scrape) -> bool:
+    """Whether a sidecar's scrape says its trainers stopped writing (the newest snapshot
+    file is older than LIVE_WITHIN); False when it does not say (an in-process server)."""
+    age = scrape.series.get((cat.SNAPSHOT_AGE.name, ()))
+    return age is not None and age > LIVE_WITHIN
 
 
 class SnapshotDir:
@@ -37,30 +60,63 @@ class SnapshotDir:
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        self.collector = TrainerCollector(directory, stale_after=math.inf,
-                                          remove_after=math.inf)
+        self.newest: float | None = None  # mtime of the newest *.prom regular file
+        # As the sidecar reads them, at the time of the newest file: older than RUN_SPAN
+        # before it is another run's. Nothing is ever deleted.
+        self.collector = TrainerCollector(directory, stale_after=RUN_SPAN,
+                                          remove_after=math.inf,
+                                          clock=lambda: self.newest or 0.0)
         self.registry = CollectorRegistry()
         self.registry.register(self.collector)
+        self.earlier = 0  # files left out as an earlier run's
+        self._runs_files: list[tuple[str, float, set[str]]] = []
+
+    def _valid(self) -> list[tuple[str, float, set[str]]]:
+        """(name, mtime, ranks) of each valid snapshot file (OSError if unlistable)."""
+        try:
+            with os.scandir(self.directory) as it:
+                entries = list(it)
+        except OSError as e:
+            raise OSError(f"{self.directory}: {e.strerror or type(e).__name__}") from None
+        out = []
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if not (entry.name.endswith(SUFFIX) and stat.S_ISREG(st.st_mode)):
+                    continue
+                data, _ = snapshot.read(entry.path, DEFAULT_MAX_FILE_BYTES)
+                owners = snapshot.load(data, DEFAULT_MAX_SERIES).owners
+            except (OSError, snapshot.Rejected):
+                continue  # the reader below counts and says what it skips
+            out.append((entry.name, st.st_mtime, {rank for _, rank in owners}))
+        return out
+
+    @property
+    def age(self) -> float | None:
+        """Seconds since the newest file was written, as of the last read."""
+        return None if self.newest is None else max(0.0, time.time() - self.newest)
+
+    def local_ranks(self) -> dict[str, int]:
+        """rank -> the ranks its host's files hold (a host's ranks share its machine)."""
+        hosts: dict[str, set[str]] = {}
+        for name, mtime, ranks in self._runs_files:
+            if self.newest is not None and mtime >= self.newest - RUN_SPAN:
+                hosts.setdefault(name.rsplit("-", 2)[0], set()).update(ranks)
+        return {rank: len(ranks) for ranks in hosts.values() for rank in ranks}
 
     def read(self) -> Scrape:
         """Every valid file's series as one scrape; OSError when the directory cannot be
         listed, ValueError when it holds no valid snapshot file."""
-        try:
-            with os.scandir(self.directory):
-                pass
-        except OSError as e:
-            raise OSError(f"{self.directory}: {e.strerror or type(e).__name__}") from None
+        self._runs_files = self._valid()
+        self.newest = max((m for _, m, _ in self._runs_files), default=None)
         with _quiet(logging.getLogger("exporter")):
             text = generate_latest(self.registry).decode()
         scrape = Scrape.parse(text)
-        if self.age(scrape) is None:
+        self.earlier = int(scrape.series.get(
+            (cat.SNAPSHOT_FILES.name, (("state", "stale"),)), 0))
+        if scrape.series.get((cat.SNAPSHOT_AGE.name, ())) is None:
             raise ValueError(self._nothing_valid())
         return scrape
-
-    @staticmethod
-    def age(scrape: Scrape) -> float | None:
-        """Seconds since the newest valid file was written; None: no valid file."""
-        return scrape.series.get((cat.SNAPSHOT_AGE.name, ()))
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -102,13 +158,15 @@ def window(snapshots: SnapshotDir, interval: float,
     `interval` apart while the files are written, else the whole run from one."""
     where = snapshots.directory
     first = snapshots.read()
-    age = snapshots.age(first)
+    age = snapshots.age
     if age is None or age > LIVE_WITHIN:
-        return (Window.whole_run(first),
-                f"{where}, whole run (the files are no longer written): {WHOLE_RUN}")
-    sleep(interval)
-    w = window_of(first, snapshots.read())
-    if w.is_whole_run:
-        return w, (f"{where}, whole run (no batch in {interval:g} s between reads: the run "
-                   f"has ended): {WHOLE_RUN}")
-    return w, f"{where}, {interval:g} s between reads"
+        w, source = Window.whole_run(first), (
+            f"{where}, whole run (the files are no longer written): {WHOLE_RUN}")
+    else:
+        sleep(interval)
+        second = snapshots.read()
+        w = window_of(first, second, (snapshots.age or 0.0) > LIVE_WITHIN)
+        source = (f"{where}, whole run (no batch in {interval:g} s between reads: the run "
+                  f"has ended): {WHOLE_RUN}" if w.is_whole_run else
+                  f"{where}, {interval:g} s between reads")
+    return dataclasses.replace(w, local_ranks=snapshots.local_ranks() or None), source

@@ -62,10 +62,12 @@ def build_report(window: Window, source: str, data_path: str = ".",
 def scrape_window(url: str, interval: float,
                   sleep: Callable[[float], None] = time.sleep) -> Window:
     """Two scrapes `interval` apart; the whole run from the second when the run has ended
-    between them (signals.window_of)."""
+    between them: a sidecar whose newest snapshot file is no longer written
+    (signals.window_of; an in-process server lives as long as its run)."""
     first = Scrape.fetch(url)
     sleep(interval)
-    return window_of(first, Scrape.fetch(url))
+    second = Scrape.fetch(url)
+    return window_of(first, second, dirsource.ended(second))
 
 
 def read(args: argparse.Namespace) -> tuple[Window, str]:
@@ -83,6 +85,11 @@ def read(args: argparse.Namespace) -> tuple[Window, str]:
         if snapshots.skipped:
             print(f"dataloader-exporter doctor: skipped {snapshots.describe_skipped()}; read "
                   "the others", file=sys.stderr)
+        if snapshots.earlier:
+            print(f"dataloader-exporter doctor: left out {snapshots.earlier} file"
+                  f"{'s' if snapshots.earlier > 1 else ''} written more than "
+                  f"{dirsource.RUN_SPAN:g} s before the newest (an earlier run)",
+                  file=sys.stderr)
         return window, source
     return (promsource.window(args.prometheus, args.range_seconds, args.match),
             f"{args.prometheus}, last {args.range_seconds:g} s")

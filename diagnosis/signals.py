@@ -98,12 +98,13 @@ class Window:
         return self.loop_seconds.get((loader, rank), 0.0)
 
 
-def window_of(first: Scrape, second: Scrape) -> Window:
-    """The window between two readings; or, when no loader handed out a batch between
-    them but some had before, the whole run from the second (the run has ended: its
-    totals say more than "idle"). A run where any loader is busy keeps its window."""
+def window_of(first: Scrape, second: Scrape, ended: bool) -> Window:
+    """The window between two readings; or, when the run is known to have ended (its
+    files no longer written) and no loader handed out a batch between them but some had
+    before, the whole run from the second (its totals say more than "idle"). A live run
+    with no batch is idle or stalled, never "ended"."""
     window = Window.between(first, second)
-    if not _handed_out(window.increase) and _handed_out(second.series):
+    if ended and not _handed_out(window.increase) and _handed_out(second.series):
         return Window.whole_run(second)
     return window
 

@@ -147,16 +147,18 @@ def test_the_env_format_prints_the_advice_for_an_ended_run(
     assert "train.persistent_workers=true" in line
 
 
-def test_a_run_that_ended_just_now_is_read_twice_then_whole(
+def test_fresh_files_with_no_batch_between_reads_are_a_live_run_never_an_ended_one(
         ended: tuple[Path, dict[str, float]], tmp_path: Path) -> None:
+    """Files written just now whose loop hands out nothing: a stalled (or paused) run
+    looks exactly so, and must not be reported as a healthy ended run."""
     directory = copy_of(ended, tmp_path)
     written_ago(directory, 0)  # fresh files, but nothing moves between the reads
     report = as_json(doctor("--metrics-dir", str(directory), "--interval", "0.3",
                             "--format", "json"))
-    assert report["whole_run"] is True
-    assert report["source"] == (f"{directory}, whole run (no batch in 0.3 s between reads: "
-                                "the run has ended): rates per second of loop time")
-    assert train_rank0(report)["figures"]["batches"] == ended[1]["batches"]
+    assert report["whole_run"] is False
+    assert report["source"] == f"{directory}, 0.3 s between reads"
+    assert train_rank0(report)["verdict"] == "idle"
+    assert train_rank0(report)["figures"]["batches"] == 0
 
 
 def test_the_doctor_never_deletes_nor_skips_an_old_file(
@@ -201,6 +203,39 @@ def test_corrupt_files_beside_good_ones_are_skipped_and_counted(
     [line] = result.stderr.splitlines()
     assert line.startswith(f"dataloader-exporter doctor: skipped 2 files in {directory} "
                            "that are not valid snapshots (")
+
+
+def _as_rank(source: Path, name: str, rank: str, ago: float) -> None:
+    """A copy of a snapshot file, renamed and relabelled as `rank`, written `ago` s ago."""
+    target = source.parent / name
+    target.write_text(source.read_text().replace('rank="0"', f'rank="{rank}"'))
+    os.utime(target, (time.time() - ago, time.time() - ago))
+
+
+def test_an_earlier_runs_files_in_the_directory_are_left_out_and_said(
+        ended: tuple[Path, dict[str, float]], tmp_path: Path) -> None:
+    directory = copy_of(ended, tmp_path)
+    written_ago(directory, 60)
+    [mine] = directory.glob("*.prom")
+    _as_rank(mine, "old-1-aaaa.prom", "2", 3600)  # last run's rank 2, an hour older
+    result = doctor("--metrics-dir", str(directory), "--format", "json")
+    report = as_json(result)
+    assert {d["rank"] for d in report["loaders"]} == {"0"}
+    assert "left out 1 file written more than 30 s before the newest (an earlier run)" in (
+        result.stderr)
+
+
+def test_ranks_share_a_machine_only_when_their_files_name_the_same_host(
+        ended: tuple[Path, dict[str, float]], tmp_path: Path) -> None:
+    directory = copy_of(ended, tmp_path)
+    written_ago(directory, 60)
+    [mine] = directory.glob("*.prom")
+    host = mine.name.rsplit("-", 2)[0]
+    _as_rank(mine, f"{host}-1-bbbb.prom", "1", 60)  # the same host: 2 local ranks
+    _as_rank(mine, "elsewhere-1-cccc.prom", "2", 60)  # another machine's rank
+    report = as_json(doctor("--metrics-dir", str(directory), "--format", "json"))
+    local = {d["rank"]: d["figures"]["local_ranks"] for d in report["loaders"]}
+    assert local == {"0": 2, "1": 2, "2": 1}
 
 
 def test_a_live_run_is_read_twice_as_a_window(tmp_path: Path) -> None:
@@ -276,20 +311,24 @@ def _scrape(at: float, batches: dict[str, float], fetch: float = 1.0, step: floa
 
 
 def test_a_run_with_any_loader_busy_keeps_its_window() -> None:
-    w = window_of(_scrape(0, {"train": 5, "val": 3}), _scrape(2, {"train": 5, "val": 4}))
+    w = window_of(_scrape(0, {"train": 5, "val": 3}), _scrape(2, {"train": 5, "val": 4}),
+                  ended=True)
     assert not w.is_whole_run and w.seconds == 2
     assert {s.loader: s.batches for s in loaders(w)} == {"train": 0, "val": 1}
 
 
 def test_a_run_whose_loaders_all_stopped_is_read_whole() -> None:
-    w = window_of(_scrape(0, {"train": 5}), _scrape(2, {"train": 5}, fetch=1.5, step=2.5))
+    first, second = _scrape(0, {"train": 5}), _scrape(2, {"train": 5}, fetch=1.5, step=2.5)
+    w = window_of(first, second, ended=True)
     [s] = loaders(w)
     assert w.is_whole_run and (s.batches, s.seconds) == (5, 4.0)
     assert s.batches_per_second == 1.25 and s.stall_share == 1.5 / 4.0
+    # Not known to have ended (its files are still written): idle in the window.
+    assert not window_of(first, second, ended=False).is_whole_run
 
 
 def test_a_reading_with_no_batches_at_all_stays_idle() -> None:
-    w = window_of(_scrape(0, {"train": 0}), _scrape(2, {"train": 0}))
+    w = window_of(_scrape(0, {"train": 0}), _scrape(2, {"train": 0}), ended=True)
     assert not w.is_whole_run and w.seconds == 2
 
 
