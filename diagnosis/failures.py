@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from diagnosis.signals import LoaderSignals
 from diagnosis.units import GiB, gib
-from diagnosis.why import WorkerView
+from diagnosis.why import WorkerView, memory_kind
 from exporter import catalogue as cat
 
 DEATHS = ("oom", "killed", "crash", "shm")  # causes a worker may die of (error: it raised)
@@ -72,7 +72,7 @@ def _shm(s: LoaderSignals, v: WorkerView, shm: Shm, workers: int | None,
 
 def _oom(s: LoaderSignals, v: WorkerView, shm: Shm, workers: int | None,
          n: float) -> dict[str, object]:
-    each = (f"; each worker holds {gib(v.rss_bytes)} ({(v.memory_kind or '').upper()})"
+    each = (f"; each worker holds {gib(v.rss_bytes)} ({memory_kind(v)})"
             if v.rss_bytes
             else "; the memory per worker is unknown")
     largest = f", the largest {gib(v.max_rss_bytes)} resident" if v.max_rss_bytes else ""

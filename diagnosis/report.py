@@ -10,7 +10,7 @@ from diagnosis.jobs import Job, jobs
 from diagnosis.machine import Machine
 from diagnosis.signals import LoaderSignals
 from diagnosis.units import gib, ms, pct
-from diagnosis.why import NONE, WorkerView
+from diagnosis.why import NONE, WorkerView, memory_kind
 from exporter.loadersettings import ENV_SETTINGS, SETTINGS, SettingsError, format_settings
 
 
@@ -96,7 +96,7 @@ def _worker_lines(v: WorkerView) -> list[str]:
                  f"time ({v.cpu_cores_used or 0:.1f} cores running)"]
     if v.rss_bytes is not None:
         largest = f", the largest {gib(v.max_rss_bytes)} RSS" if v.max_rss_bytes else ""
-        parts.append(f"{gib(v.rss_bytes)} each ({(v.memory_kind or '').upper()}){largest}")
+        parts.append(f"{gib(v.rss_bytes)} each ({memory_kind(v)}){largest}")
     if v.swap_bytes:
         parts.append(f"{gib(v.swap_bytes)} in swap")
     why = f" - {v.why}" if v.why and v.bottleneck != NONE else ""

@@ -57,7 +57,8 @@ class WorkerView:
     waiting_for_cpu_share: float | None = None
     blocked_share: float | None = None
     rss_bytes: float | None = None  # per live worker: PSS where known, else RSS
-    memory_kind: str | None = None  # which rss_bytes is: "pss" or "rss"
+    # which rss_bytes is: "pss" or "rss" of the live workers, or "peak_rss" (none alive)
+    memory_kind: str | None = None
     bottleneck: str = UNKNOWN
     why: str = ""
     live_workers: float | None = None
@@ -111,6 +112,8 @@ def view(s: LoaderSignals, machine: Machine, starved: bool) -> WorkerView:
     memory = w.pss if w.pss is not None else w.rss
     if memory is not None and live:
         v.rss_bytes, v.memory_kind = memory / live, "pss" if w.pss is not None else "rss"
+    elif w.max_rss:  # no worker alive now (a run that ended): the most any worker held
+        v.rss_bytes, v.memory_kind = w.max_rss, "peak_rss"
     room = memory_room(s, machine)
     if room is not None:
         v.memory_room_bytes, v.memory_room_source = room
@@ -152,8 +155,14 @@ def _bottleneck(v: WorkerView, s: LoaderSignals, starved: bool) -> tuple[str, st
                      "loop waits: on storage, the network, a lock or sleep" + _reads(v))
 
 
+def memory_kind(v: WorkerView) -> str:
+    """How the per-worker memory was read, in words for the report."""
+    return _kind(v)
+
+
 def _kind(v: WorkerView) -> str:
-    return (v.memory_kind or "").upper()
+    return {"peak_rss": "the largest RSS a worker had"}.get(v.memory_kind or "",
+                                                            (v.memory_kind or "").upper())
 
 
 def _reads(v: WorkerView) -> str:

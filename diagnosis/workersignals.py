@@ -34,7 +34,7 @@ class WorkerSignals:
     pss: float | None = None
     swap: float | None = None
     swap_growth: float | None = None  # the workers' swap, last minus first in the window
-    max_rss: float | None = None  # the largest live worker's
+    max_rss: float | None = None  # the most any worker of the loader held (high-water)
 
     @property
     def seconds(self) -> float | None:

@@ -152,21 +152,22 @@ INFO = _m(
 WORKER_STATES: tuple[str, ...] = ("running", "waiting_for_cpu", "blocked")
 WORKER_TIME = _m(
     "dataloader_worker_time_seconds_total", COUNTER,
-    "Wall time of the loader's worker processes, summed over workers, by state: running on "
-    "a CPU, waiting for a CPU (runnable, in the run queue), or blocked (the rest: storage, "
-    "the network, a lock, a full queue or sleep).",
+    "Wall time of the loader's worker processes while the loader hands out batches, "
+    "summed over workers, by state: running on a CPU, waiting for a CPU (runnable, in the "
+    "run queue), or blocked (the rest: storage, the network, a lock, a full queue or "
+    "sleep).",
     "seconds", (*LOADER_LABELS, "state"), TRAINER)
 READ_SOURCES: tuple[str, ...] = ("storage", "syscalls")
 WORKER_READ = _m(
     "dataloader_worker_read_bytes_total", COUNTER,
-    "Bytes the loader's workers read, summed over workers: from storage (source=storage) or "
-    "through read system calls of any kind, page cache and network included "
-    "(source=syscalls).",
+    "Bytes the loader's workers read while it hands out batches, summed over workers: from "
+    "storage (source=storage) or through read system calls of any kind, page cache and "
+    "network included (source=syscalls).",
     "bytes", (*LOADER_LABELS, "source"), TRAINER)
 WORKER_MAJOR_FAULTS = _m(
     "dataloader_worker_major_page_faults_total", COUNTER,
-    "Major page faults of the loader's workers (pages read back from disk or swap), summed "
-    "over workers.",
+    "Major page faults of the loader's workers while it hands out batches (pages read back "
+    "from disk or swap), summed over workers.",
     "", LOADER_LABELS, TRAINER)
 MEMORY_KINDS: tuple[str, ...] = ("rss", "pss", "swap")
 WORKER_MEMORY = _m(
@@ -178,7 +179,7 @@ WORKER_MEMORY = _m(
     "bytes", (*LOADER_LABELS, "kind"), TRAINER)
 WORKER_MAX_RSS = _m(
     "dataloader_worker_max_rss_bytes", GAUGE,
-    "Resident memory of the loader's largest live worker.",
+    "The largest resident memory any worker of the loader has had (a high-water mark).",
     "bytes", LOADER_LABELS, TRAINER)
 # Why a worker failed, as observed: never a cause that was not seen (instrument/failures.py).
 FAILURE_CAUSES: tuple[str, ...] = ("oom", "killed", "crash", "shm", "error")

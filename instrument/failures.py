@@ -75,10 +75,11 @@ def cause_of_error(exc: BaseException) -> str:
 
 def first_line(exc: BaseException, limit: int = 200) -> str:
     """The exception as one short line: its type and the first line of its message."""
-    text = str(exc).strip().splitlines()
-    if "Original Traceback" in str(exc):  # torch's wrapper: the worker's own last line
-        text = [line for line in text if line.strip()][-1:] or text
-    line = f"{type(exc).__name__}: {text[0] if text else ''}".strip()
+    text = [line for line in str(exc).strip().splitlines() if line.strip()]
+    if "Original Traceback" in str(exc) and text:  # torch's wrapper: the worker's own line
+        line = text[-1].strip()
+    else:
+        line = f"{type(exc).__name__}: {text[0] if text else ''}".strip()
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
@@ -130,8 +131,9 @@ def fix(cause: str, seen: str, cfg: LoaderConfig, batch_bytes: int, local_ranks:
                     f"{human_bytes(batch_bytes)} x prefetch_factor {cfg.prefetch_factor or 2}"
                     f" x {workers} workers x {local_ranks} local ranks x {SHM_SAFETY})")
             size = shm_size_advice(need)
-        else:
-            what, size = "the batches in flight did not fit", "a larger size"
+        else:  # no batch got through: its size is unknown; at least twice the room
+            what = "the batches in flight did not fit (their size is not known yet)"
+            size = shm_size_advice(2 * shm.size) if shm else "a larger size"
         where = f"{shm.path} holds {human_bytes(shm.size)}" if shm else "/dev/shm"
         return (f"a worker failed for lack of shared memory ({seen}): {where} and {what}. "
                 f"Give the container --shm-size={size} (Kubernetes: an emptyDir with medium: "

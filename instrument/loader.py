@@ -170,6 +170,7 @@ class _Instruments:
         """The iterator `it` raised `exc` (the loop may catch it and go on): a worker gone
         now is lost, the failure is counted by cause, and the snapshot is written before
         the exception goes on to the loop."""
+        self.iterated = True  # it was: a failed first batch is no framework's rebuild
         workers = self.rec.workers
         workers.refresh(0.0, on_error=True, exits=lambda pid: from_exitcode(
             compat.worker_exitcode(it, pid)))

@@ -143,8 +143,9 @@ class PssReader:
 
 @dataclass(frozen=True)
 class Figures:
-    """A loader's workers, ended and live together: cumulative counters (None where not
-    every sample had the figure) and the live workers' memory."""
+    """A loader's workers: counters summed over the intervals in which the loader handed
+    out batches (None where a sample lacked the figure), the live workers' memory, and
+    the largest resident memory any of its workers has had."""
 
     running_ns: int
     waiting_ns: int | None
@@ -163,55 +164,52 @@ _SUMMED = ("running_ns", "waiting_ns", "blocked_ns", "major_faults", "read_stora
 
 
 class ProcAccount:
-    """The /proc figures of one loader's workers: each live worker's latest sample, plus
-    the last sample of every worker that ended, so the counters only grow (a worker's last
-    second before it ends is not seen)."""
+    """The /proc figures of one loader's workers. Time, reads and faults count only the
+    intervals between two samples of a worker in which the loader handed out batches:
+    persistent workers idle between epochs (or while another loader runs) are not
+    "blocked". A worker's start and its last second are not seen."""
 
     def __init__(self, proc: str = PROC) -> None:
         self.proc = proc
         self.live: dict[int, ProcSample] = {}
-        self._ended: dict[str, int | None] = dict.fromkeys(_SUMMED, 0)
+        self._sums: dict[str, int | None] = dict.fromkeys(_SUMMED, 0)
+        self._peak_rss = 0
         self._pss = PssReader(proc)
         self._pss_now: dict[int, int] = {}
 
-    def observe(self, pids: list[int], now: float) -> None:
-        """Samples the live workers `pids`; a worker that cannot be read has ended."""
+    def observe(self, pids: list[int], now: float, active: bool) -> None:
+        """Samples the live workers `pids`; active: the loader handed out batches since
+        the last samples. A worker that cannot be read has ended."""
         for pid in pids:
             got = sample(pid, self.proc)
-            old = self.live.get(pid)
-            if old is not None and (got is None or got.start_ticks != old.start_ticks):
-                self.end(pid)
-            if got is not None:
-                self.live[pid] = got
+            old = self.live.pop(pid, None)
+            if got is None:
+                continue
+            if active and old is not None and old.start_ticks == got.start_ticks:
+                for name in _SUMMED:
+                    new, was, total = getattr(got, name), getattr(old, name), self._sums[name]
+                    self._sums[name] = (None if new is None or was is None or total is None
+                                        else total + max(0, new - was))
+            self.live[pid] = got
+            self._peak_rss = max(self._peak_rss, got.rss_bytes)
         self._pss_now = self._pss.read(sorted(self.live), now)
 
     def end(self, pid: int) -> None:
-        """A worker ended: its last sample joins the totals."""
-        last = self.live.pop(pid, None)
-        if last is None:
-            return
-        for name in _SUMMED:
-            value, total = getattr(last, name), self._ended[name]
-            self._ended[name] = None if value is None or total is None else total + value
+        """A worker ended."""
+        self.live.pop(pid, None)
 
     def figures(self) -> Figures | None:
         """None until a worker has been read (no workers, or no /proc: unknown)."""
-        live = list(self.live.values())
-        if not live and self._ended["running_ns"] == 0:
+        if not self.live and not self._peak_rss:
             return None
-        sums: dict[str, int | None] = {}
-        for name in _SUMMED:
-            values = [getattr(s, name) for s in live]
-            total = self._ended[name]
-            sums[name] = None if total is None or None in values else total + sum(
-                v for v in values if v is not None)
+        live = list(self.live.values())
         swaps = [s.swap_bytes for s in live]
         pss = [self._pss_now.get(pid) for pid in self.live]
+        sums = self._sums
         return Figures(
             running_ns=sums["running_ns"] or 0, waiting_ns=sums["waiting_ns"],
             blocked_ns=sums["blocked_ns"], major_faults=sums["major_faults"] or 0,
             read_storage=sums["read_storage"], read_syscalls=sums["read_syscalls"],
-            rss_bytes=sum(s.rss_bytes for s in live),
-            max_rss_bytes=max((s.rss_bytes for s in live), default=0),
+            rss_bytes=sum(s.rss_bytes for s in live), max_rss_bytes=self._peak_rss,
             pss_bytes=None if None in pss else sum(p for p in pss if p is not None),
             swap_bytes=None if None in swaps else sum(s for s in swaps if s is not None))

@@ -105,7 +105,7 @@ class LoaderRecorder:
             self.transfer_h.add_ns(_drain(self.transfer) + self._completed_events())
         if self.samples_known and self.workers.miscounted():
             self.samples_known = False
-        self.workers.refresh(time.monotonic() if now is None else now)
+        self.workers.refresh(time.monotonic() if now is None else now, batches=self.batches)
 
     def miscount(self) -> None:
         """A batch's count was found wrong (a custom collate_fn, workers.py)."""

@@ -159,6 +159,7 @@ class WorkerTracker:
         self.report: Callable[[str, int | None, str], None] | None = None
         self._unreported: list[tuple[str, int | None, str]] = []
         self._oom: OomWatch | None = None
+        self._batches_seen = 0  # the loader's batches at the last /proc reading
 
     # --- fed by the loader ------------------------------------------------------------
     def start(self, iterator: Any, block: torch.Tensor | None, pids: list[int]) -> int:
@@ -201,16 +202,17 @@ class WorkerTracker:
 
     # --- read by the collector ---------------------------------------------------------
     def refresh(self, now: float, on_error: bool = False,
-                exits: Callable[[int], Exit | None] | None = None) -> None:
+                exits: Callable[[int], Exit | None] | None = None, batches: int = 0) -> None:
         """Re-counts live workers and reads their /proc figures, at most once per
         min_interval unless on_error (the loader raised: a worker gone now was lost,
-        whatever its exit). exits: how a dead worker ended, where torch has reaped it."""
+        whatever its exit). exits: how a dead worker ended, where torch has reaped it;
+        batches: the loader's count so far (the workers' time counts while it grows)."""
         with self._lock:
-            self._refresh(now, on_error, exits)
+            self._refresh(now, on_error, exits, batches)
         self._deliver()
 
     def _refresh(self, now: float, on_error: bool,
-                 exits: Callable[[int], Exit | None] | None) -> None:
+                 exits: Callable[[int], Exit | None] | None, batches: int) -> None:
         """refresh(), the lock held."""
         self._fold_collected()
         if not on_error and now < self._next:
@@ -240,7 +242,8 @@ class WorkerTracker:
                 self._procs.pop(pid, None)
                 self.proc.end(pid)
         if not on_error:
-            self.proc.observe(alive, now)
+            self.proc.observe(alive, now, active=batches != self._batches_seen)
+            self._batches_seen = batches
         self.active = len(alive)
 
     def _oom_watch(self) -> OomWatch:

@@ -10,7 +10,7 @@ import pytest
 from procs import REPO
 
 
-@pytest.mark.parametrize("script", ["overhead.py", "scrape.py"])
+@pytest.mark.parametrize("script", ["overhead.py", "scrape.py", "proc_sampling.py"])
 def test_each_benchmark_starts_and_explains_itself(script: str) -> None:
     result = subprocess.run([sys.executable, str(REPO / "bench" / script), "--help"],
                             capture_output=True, text=True, timeout=60, cwd=REPO)
