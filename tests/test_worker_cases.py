@@ -56,7 +56,7 @@ def slow(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, dict[str, Any]]
 @pytest.mark.parametrize("name", ["cpu", "cpu_contention", "blocked"])
 def test_the_doctor_names_why_the_workers_are_slow(slow: tuple[Run, dict[str, Any]],
                                                    name: str) -> None:
-    run, report = slow
+    _, report = slow
     workers = loader(report, name)["workers"]
     assert workers["bottleneck"] == name, workers
     shares = (workers["running_share"], workers["waiting_for_cpu_share"],
