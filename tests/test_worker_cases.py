@@ -203,3 +203,26 @@ def test_cgroup_v2_and_v1_oom_counts_are_read_from_the_processes_own_cgroup(
     (proc / "vmstat").write_text("nr_free_pages 1\noom_kill 9\n")
     control.unlink()
     assert OomKills(str(proc), str(root)).count() == 9  # no cgroup counts: the machine's
+
+
+def test_the_snapshot_is_written_before_the_exception_reaches_the_loop(
+        tmp_path: Path) -> None:
+    """No periodic write for an hour: what the file says right after the loop caught the
+    exception was written on the way to it."""
+    from helpers import FailingDataset, parse
+    from prometheus_client import CollectorRegistry
+
+    import instrument
+
+    registry = CollectorRegistry()
+    writer = instrument.hub_for(registry).write_snapshots(str(tmp_path), interval=3600)
+    loader = instrument.DataLoader(FailingDataset(8, bad=3), batch_size=1, name="t",
+                                   registry=registry)
+    with pytest.raises(ValueError, match="corrupt sample 3"):
+        for _ in loader:
+            pass
+    written = parse(Path(writer.path).read_text())
+    labels = (("cause", "error"), ("loader", "t"), ("rank", "0"))
+    assert written[(cat.FAILURES.name, labels)] == 1
+    assert written[(cat.BATCHES.name, (("loader", "t"), ("rank", "0")))] == 3
+    writer.close()
