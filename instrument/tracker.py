@@ -313,4 +313,7 @@ class WorkerTracker:
     def miscounted(self) -> bool:
         """Whether a worker found the main process's sample count of a batch wrong."""
         with self._lock:
-            return bool(self._current().miscounted.any())
+            self._fold_collected()
+            return bool(self._totals.miscounted.any()) or any(
+                bool(g.block[:, MISCOUNTED].any()) for g in self._live.values()
+                if g.block is not None)
