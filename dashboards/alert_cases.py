@@ -59,9 +59,10 @@ def workers(active: str, lost: str = "0x15", last_batch: str = "0+60x15"
 
 
 def failures(**counts: str) -> tuple[tuple[str, str], ...]:
-    """Every cause's failure counter, as the trainer writes them (0 until one happens)."""
-    return tuple(s(cat.FAILURES, counts.get(c, "0x15"), **LOADER, cause=c)
-                 for c in cat.FAILURE_CAUSES)
+    """The failure counters of the causes given, as the trainer writes them: a cause's
+    series appears once it has been seen."""
+    return tuple(s(cat.FAILURES, counts[c], **LOADER, cause=c)
+                 for c in cat.FAILURE_CAUSES if c in counts)
 
 
 def worker_time(running: int, waiting_for_cpu: int, blocked: int
@@ -160,6 +161,12 @@ CASES: tuple[Case, ...] = (
          workers(active="2x5 0x10", lost="0x5 2x10") + failures(crash="0x5 1x10",
                                                                 killed="0x5 1x10"), "8m",
          fires({**LOADER, "cause": "crash"}, {**LOADER, "cause": "killed"})),
+    Case("DataLoaderWorkerLost", "fires for a cause whose series first shows up at 1 (the "
+         "trainer failed within a scrape of it): no increase() to see",
+         workers(active="2x5 1x10", lost="_x5 1x10") + failures(oom="_x5 1x10"), "8m",
+         fires({**LOADER, "cause": "oom"})),
+    Case("DataLoaderWorkerLost", "stays quiet once such a series is 10 minutes old",
+         workers(active="1x25", lost="1x25") + failures(oom="1x25"), "20m"),
     Case("DataLoaderWorkerLost", "fires for a batch that did not fit in /dev/shm (shm), though "
          "no worker died", workers(active="2x15") + failures(shm="0x5 1x10"), "8m",
          fires({**LOADER, "cause": "shm"})),

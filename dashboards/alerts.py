@@ -39,7 +39,11 @@ _median_wait = quantile(0.5, cat.TIME, "", EPOCH_WINDOW, phase=cat.PHASE_FETCH)
 LOST_WINDOW = "10m"
 DEATHS = "|".join(c for c in cat.FAILURE_CAUSES if c != "error")
 _deaths = sel(cat.FAILURES, 'cause=~"' + DEATHS + '"')
-_lost = (f"(increase({_deaths}[{LOST_WINDOW}]) > 0) or ignoring (cause) "
+# A cause's counter is written once seen: a series that first shows up already above 0
+# (the trainer failed within a scrape of its first failure) has no increase() to show,
+# and counts as new for the window.
+_lost = (f"((increase({_deaths}[{LOST_WINDOW}]) > 0) or ({_deaths} > 0 unless "
+         f"{_deaths} offset {LOST_WINDOW})) or ignoring (cause) "
          f'label_replace(increase({sel(cat.WORKERS_LOST)}[{LOST_WINDOW}]) > 0, "cause", '
          '"unknown", "", "")')
 

@@ -10,11 +10,14 @@ from .model import BYTES, BYTES_PER_SECOND, COUNT, Panel, Row
 from .promql import CPU_CONTENTION, LOADER, RATE_INTERVAL, rate, sel, workers_by_state
 
 W = RATE_INTERVAL
+_ROOM = 'kind="available"'  # not the workers' memory: what more of them would have to fit in
+_HELD = 'kind!="available"'
 
 WHY_WORKERS = Row("Why the workers are slow, and why they fail", (
     Panel("Worker time by state",
-          "The loader's workers in each state, stacked, so the stack is its live workers: "
-          "running on a CPU, waiting for a CPU (runnable but queued: more workers than cores, "
+          "The loader's workers in each state while the loader hands out batches, stacked, so "
+          "the stack is its live workers then (0 while the loader is idle): running on a CPU, "
+          "waiting for a CPU (runnable but queued: more workers than cores, "
           "or other processes on them), and blocked (storage, the network, a lock, a full "
           "queue or sleep); from /proc, Linux only. Good: while the loop waits for data (Input "
           "stall share high) the largest part says what to fix. Mostly running: the samples "
@@ -34,9 +37,15 @@ WHY_WORKERS = Row("Why the workers are slow, and why they fail", (
           "something accumulates per worker (a cache, Python objects touched copy-on-access: "
           "keep datasets in numpy arrays or tensors). Swap in use and growing slows workers to "
           "a crawl and the OOM killer is next: fewer workers or a lower prefetch_factor. The "
-          "doctor never advises more workers than the memory available holds at this size.",
+          "doctor never advises more workers than the memory available holds at this size: "
+          "available is the least the trainer's container could still allocate while they "
+          "ran (per rank, so the panel shows the tightest rank).",
           BYTES, (("{{loader}} {{kind}}",
-                   f"sum by (loader, kind) ({sel(cat.WORKER_MEMORY, LOADER)})"),
+                   f"sum by (loader, kind) "
+                   f"({sel(cat.WORKER_MEMORY, f'{LOADER},{_HELD}')})"),
+                  ("{{loader}} available (tightest rank)",
+                   f"min by (loader) "
+                   f"({sel(cat.WORKER_MEMORY, f'{LOADER},{_ROOM}')})"),
                   ("{{loader}} largest worker (rss)",
                    f"max by (loader) ({sel(cat.WORKER_MAX_RSS, LOADER)})"))),
     Panel("Worker reads",

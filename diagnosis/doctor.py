@@ -175,8 +175,12 @@ def _waits(job: Job, rank: str, times: RankTimes | None, starving: bool) -> Find
 
 
 def _shm_total(s: LoaderSignals, machine: Machine) -> float | None:
-    """/dev/shm's size as the exporter saw it, else as this machine has it."""
-    return s.shm_size if s.shm_size is not None else machine.shm_size
+    """/dev/shm's size as the exporter watches it, else as the trainer saw it (its
+    snapshot files read elsewhere), else as this machine has it."""
+    if s.shm_size is not None:
+        return s.shm_size
+    trainer = _int(s.config.get("shm_size_bytes"))
+    return float(trainer) if trainer else machine.shm_size
 
 
 def _findings(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,

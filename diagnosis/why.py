@@ -69,7 +69,9 @@ class WorkerView:
     read_bytes_per_second: float | None = None  # any read(): page cache and network too
     major_faults_per_second: float | None = None
     memory_room_bytes: float | None = None  # what more workers may take, reserve kept
-    memory_room_source: str | None = None  # "host" (MemAvailable) or "cgroup" (the limit)
+    # "trainer" (what the trainer's container could still allocate while it worked, its
+    # own figure), else "cgroup" (the exporter's container's limit) or "host" (MemAvailable)
+    memory_room_source: str | None = None
     more_workers_memory_allows: int | None = None
     swapping: bool = False  # the workers' swap grows (or the host's, with theirs in it)
 
@@ -81,6 +83,9 @@ def _rate(x: float | None, seconds: float) -> float | None:
 def memory_room(s: LoaderSignals, machine: Machine) -> tuple[float, str] | None:
     """Memory more workers may take, keeping MEMORY_RESERVE free: the tighter of the
     container's limit (when the exporter reports its cgroup) and the host's available."""
+    if s.workers.available is not None:  # the trainer's own container, while it worked
+        total = s.memory_total or machine.memory_total or 0
+        return max(0.0, s.workers.available - MEMORY_RESERVE * total), "trainer"
     options = []
     if s.cgroup_limit and s.cgroup_usage is not None:
         options.append((s.cgroup_limit * (1 - MEMORY_RESERVE) - s.cgroup_usage, "cgroup"))
@@ -251,8 +256,10 @@ def _memory_cap(v: WorkerView, s: LoaderSignals, workers: int, advice: Advice) -
             "checked against memory: the memory available is unknown"))
     if workers + allowed >= advice.workers:
         return advice
-    source = ("the container's memory limit less its usage" if v.memory_room_source == "cgroup"
-              else "the host's available memory")
+    source = {"trainer": "the least the trainer's container could still allocate while its "
+                         "workers ran",
+              "cgroup": "the container's memory limit less its usage"}.get(
+        v.memory_room_source or "", "the host's available memory")
     limit = (f"memory, not CPU, is the limit: each worker holds {gib(v.rss_bytes or 0.0)} "
              f"({_kind(v)}); {gib(v.memory_room_bytes or 0.0)} available allows {allowed} more "
              f"({source}, keeping {pct(MEMORY_RESERVE)} of the total free)")

@@ -33,6 +33,7 @@ class WorkerSignals:
     rss: float | None = None
     pss: float | None = None
     swap: float | None = None
+    available: float | None = None  # the least room the trainer's container had, working
     swap_growth: float | None = None  # the workers' swap, last minus first in the window
     max_rss: float | None = None  # the most any worker of the loader held (high-water)
 

@@ -40,7 +40,7 @@ LOADER_LABELS: tuple[str, ...] = ("loader", "rank")
 WORKER_LABELS: tuple[str, ...] = ("loader", "rank", "worker")
 INFO_LABELS: tuple[str, ...] = (
     "loader", "rank", "num_workers", "batch_size", "prefetch_factor", "pin_memory",
-    "persistent_workers", "gpu_uuid",
+    "persistent_workers", "gpu_uuid", "shm_size_bytes",
 )
 PHASE_FETCH = "fetch"
 PHASE_TRANSFER = "transfer"
@@ -141,8 +141,9 @@ TRANSFER_BYTES = _m(
     "bytes", LOADER_LABELS, TRAINER)
 INFO = _m(
     "dataloader_info", GAUGE,
-    "The loader's effective configuration and the UUID of the GPU its batches go to (empty "
-    "until one goes to CUDA); the value is always 1.",
+    "The loader's effective configuration, the UUID of the GPU its batches go to (empty "
+    "until one goes to CUDA) and the size of the /dev/shm its workers hand batches over "
+    "through (empty if unknown); the value is always 1.",
     "", INFO_LABELS, TRAINER)
 
 # Where a worker's time goes, read from /proc/<pid> about once a second (Linux only; where
@@ -169,13 +170,15 @@ WORKER_MAJOR_FAULTS = _m(
     "Major page faults of the loader's workers while it hands out batches (pages read back "
     "from disk or swap), summed over workers.",
     "", LOADER_LABELS, TRAINER)
-MEMORY_KINDS: tuple[str, ...] = ("rss", "pss", "swap")
+MEMORY_KINDS: tuple[str, ...] = ("rss", "pss", "swap", "available")
 WORKER_MEMORY = _m(
     "dataloader_worker_memory_bytes", GAUGE,
     "Memory of the loader's live workers, summed over workers: resident (kind=rss; pages "
     "shared with the main process count in every worker), proportional (kind=pss; shared "
     "pages divided among their sharers, read less often, where cheap) and swapped out "
-    "(kind=swap).",
+    "(kind=swap); and the least memory the trainer's container could still allocate while "
+    "they ran (kind=available: its memory cgroup's limit minus usage, else the host's "
+    "available memory), what more workers would have to fit in.",
     "bytes", (*LOADER_LABELS, "kind"), TRAINER)
 WORKER_MAX_RSS = _m(
     "dataloader_worker_max_rss_bytes", GAUGE,
@@ -185,10 +188,10 @@ WORKER_MAX_RSS = _m(
 FAILURE_CAUSES: tuple[str, ...] = ("oom", "killed", "crash", "shm", "error")
 FAILURES = _m(
     "dataloader_failures_total", COUNTER,
-    "Failures of the loader and its workers by cause: oom (a worker killed while the "
-    "cgroup's OOM-kill count rose), killed (another kill signal), crash (a crash signal "
-    "such as SIGSEGV, or an abnormal exit), shm (/dev/shm full: an allocation error or "
-    "SIGBUS), error (the dataset or collate_fn raised).",
+    "Failures of the loader and its workers by cause, each written once seen: oom (a worker "
+    "killed while the cgroup's OOM-kill count rose), killed (another kill signal), crash "
+    "(a crash signal such as SIGSEGV, or an abnormal exit), shm (/dev/shm full: an "
+    "allocation error or SIGBUS), error (the dataset or collate_fn raised).",
     "", (*LOADER_LABELS, "cause"), TRAINER)
 
 # --- gpu: NVML through nvidia-ml-py ------------------------------------------------------

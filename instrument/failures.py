@@ -5,13 +5,20 @@ Process object once torch reaped it) and sometimes torch's words in the exceptio
 loop gets; a worker that fails without dying leaves only the exception. The causes
 (exporter.catalogue.FAILURE_CAUSES):
 
-- oom: killed by SIGKILL while the kernel's OOM-kill count of our memory cgroup rose
-  (exporter.facts.cgroup); never claimed without that count;
-- killed: killed by SIGKILL without it, or by another signal that ends a process;
-- crash: a crash signal (SIGSEGV, SIGABRT, ...) or a non-zero exit;
-- shm: /dev/shm was full: torch could not allocate a batch's shared memory (an error in
-  the worker), or the worker died of SIGBUS touching it;
-- error: the dataset or collate_fn raised (in a worker, or in the main process).
+- oom: killed by SIGKILL after the kernel's OOM-kill count of our memory cgroup rose
+  since the worker was last seen alive (exporter.facts.cgroup); a rise is claimed once in
+  the process; never claimed without that count, and a count not read lately gives no
+  cause at all rather than a guess either way;
+- killed: killed by SIGKILL while that count did not rise, or by another signal that
+  ends a process;
+- crash: a crash signal (SIGSEGV, SIGABRT, ...), a non-zero exit, or an exit torch calls
+  unexpected;
+- shm: /dev/shm was full: torch could not allocate or write a batch's shared memory (its
+  own words, in a worker), or the worker died of SIGBUS while /dev/shm was small or half
+  full;
+- error: the dataset or collate_fn raised: torch's "Caught X in DataLoader worker
+  process N", or any exception with no workers. torch's own errors (a timeout, its
+  internals after a worker vanished) are not the dataset's: no cause.
 
 Each cause gets one log line per loader with what to change (fix()).
 """
@@ -20,8 +27,8 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -35,24 +42,28 @@ from .preflight import LoaderConfig, shm_needed
 OOM, KILLED, CRASH, SHM, ERROR = "oom", "killed", "crash", "shm", "error"
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGILL, signal.SIGFPE,
                   signal.SIGTRAP, signal.SIGSYS}
-_DEATH = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) "
-                    r"(?:is killed by signal: ([^.]+)|exited unexpectedly)")
+_DEATH = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]{1,200})\) "
+                    r"(?:is killed by signal: ([A-Za-z ]{1,40})|exited unexpectedly)")
 _SIGNAL_NAMES = {signal.strsignal(s): s for s in signal.Signals
                  if signal.strsignal(s) is not None}
-# torch's words for a batch that did not fit in /dev/shm (an allocation or a write).
-_SHM = re.compile(r"unable to (?:allocate shared memory|write to file </torch_)"
-                  r"|No space left on device.*(?:shm|/torch_)|(?:shm|/torch_).*No space left",
-                  re.IGNORECASE)
+# torch's words for a batch that did not fit in /dev/shm: an allocation or a write of its
+# shared-memory file (torch_shm_manager's files are named /torch_...).
+_SHM_WORDS = ("unable to allocate shared memory(shm) for file </torch_",
+              "unable to write to file </torch_")
+_CAUGHT = "in DataLoader worker process"  # torch's wrapper of a worker's exception
+SHM_SMALL = 1 << 30  # a /dev/shm under 1 GiB (a container's) is small enough to fill
 
 
-def cause_of_exit(signo: int | None, code: int | None, oom_rose: bool) -> str | None:
-    """The cause of a worker's death from its exit; None for a clean exit (0)."""
+def cause_of_exit(signo: int | None, code: int | None, oom_rose: bool | None,
+                  shm_full: bool = False) -> str | None:
+    """The cause of a worker's death from its exit; None for a clean exit (0), or for a
+    SIGKILL when the OOM-kill count is not known (oom_rose None)."""
     if signo is None:
         return CRASH if code else None
     if signo == signal.SIGKILL:
-        return OOM if oom_rose else KILLED
+        return None if oom_rose is None else OOM if oom_rose else KILLED
     if signo == signal.SIGBUS:
-        return SHM
+        return SHM if shm_full else CRASH  # a mapped file cut short also raises SIGBUS
     if signo in _CRASH_SIGNALS:
         return CRASH
     return KILLED
@@ -61,63 +72,89 @@ def cause_of_exit(signo: int | None, code: int | None, oom_rose: bool) -> str | 
 def deaths_in(exc: BaseException) -> tuple[list[int], int | None] | None:
     """(pids, signal) torch names in a worker's death (signal None: "exited
     unexpectedly"); None if the exception is not about a dead worker."""
-    m = _DEATH.search(str(exc))
+    m = _DEATH.search(str(exc)[:2000])
     if m is None:
         return None
     pids = [int(p) for p in m.group(1).replace(",", " ").split()]
     return pids, _SIGNAL_NAMES.get(m.group(2).strip()) if m.group(2) else None
 
 
-def cause_of_error(exc: BaseException) -> str:
-    """The cause of an exception that reached the loop and is not a worker's death."""
-    return SHM if _SHM.search(str(exc)) else ERROR
+def cause_of_error(exc: BaseException, workers: int) -> str | None:
+    """The cause of an exception that reached the loop and is not a worker's death: shm
+    or error; None for torch's own (a timeout, its internals)."""
+    text = str(exc)
+    if workers and any(words in text for words in _SHM_WORDS):
+        return SHM
+    if not workers or _CAUGHT in text.split("\n", 1)[0]:
+        return ERROR
+    return None
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:
-    """The exception as one short line: its type and the first line of its message."""
-    text = [line for line in str(exc).strip().splitlines() if line.strip()]
-    if "Original Traceback" in str(exc) and text:  # torch's wrapper: the worker's own line
-        line = text[-1].strip()
+    """The exception as one short line: its type and the first line of its message (for
+    torch's wrapper, the worker's own exception after its traceback)."""
+    text = str(exc)
+    if "Original Traceback" in text:
+        lines = text.splitlines()
+        frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+        after = lines[frames[-1] + 2:] if frames else lines[-1:]
+        line = next((x.strip() for x in after if x.strip()), type(exc).__name__)
     else:
-        line = f"{type(exc).__name__}: {text[0] if text else ''}".strip()
+        first = next((x for x in text.splitlines() if x.strip()), "")
+        line = f"{type(exc).__name__}: {first.strip()}".rstrip(": ")
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-class OomWatch:
-    """Rises of the kernel's OOM-kill count (exporter.facts.cgroup.OomKills), each
-    claimed by at most one worker that died of SIGKILL within WINDOW seconds of it. A
-    reading is taken at least once a second by the tracker; a rise older than WINDOW (an
-    OOM kill of some other process of the cgroup) is never claimed."""
+def is_torch_worker_error(e: BaseException) -> bool:
+    """torch's SIGCHLD handler raises a dead worker's error wherever the main thread is;
+    one that lands in our bookkeeping must go on to the loop, as it would without us."""
+    return isinstance(e, RuntimeError) and str(e).startswith("DataLoader worker")
 
-    WINDOW = 10.0
+
+class OomWatch:
+    """The kernel's OOM-kill count, read by every tracker of the process (at each of its
+    readings, about once a second); each rise is claimed by at most one worker that died
+    of SIGKILL, and only by one last seen alive before the rise."""
+
+    STALE = 10.0  # seconds: a worker last seen longer ago gets no cause from the count
 
     def __init__(self, kills: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._kills = kills if kills is not None else OomKills()
         self._clock = clock
-        self._readings: deque[tuple[float, int]] = deque()
-        self._claimed = 0  # rises since the oldest reading already claimed
+        self._claimed: int | None = None  # the count up to which rises are claimed
+        self._lock = threading.Lock()
 
-    def read(self) -> int | None:
-        """Takes a reading; None when the kernel gives no count."""
+    def read(self) -> tuple[float, int] | None:
+        """(when, the count) now; None when the kernel gives no count."""
         count = self._kills.count()
-        if count is None:
-            return None
-        now = self._clock()
-        self._readings.append((now, count))
-        while len(self._readings) > 1 and self._readings[1][0] <= now - self.WINDOW:
-            old = self._readings.popleft()[1]
-            self._claimed = max(0, self._claimed - (self._readings[0][1] - old))
-        return count
+        return None if count is None else (self._clock(), count)
 
-    def claim(self) -> bool:
-        """Whether a SIGKILL just seen was the OOM killer's: the count rose, unclaimed."""
-        count = self.read()
-        if count is None or len(self._readings) < 2:
-            return False  # no count, or no reading from before the death to compare with
-        if count - self._readings[0][1] - self._claimed > 0:
-            self._claimed += 1
-            return True
-        return False
+    def claim(self, seen: tuple[float, int] | None) -> bool | None:
+        """Whether a SIGKILL of a worker last seen alive at reading `seen` was the OOM
+        killer's: the count rose since, by a rise no other death claimed. None when it
+        cannot be told (no count, no reading, or one too old)."""
+        now = self.read()
+        if now is None or seen is None or now[0] - seen[0] > self.STALE:
+            return None
+        with self._lock:
+            claimed = max(seen[1], self._claimed if self._claimed is not None else seen[1])
+            if now[1] > claimed:
+                self._claimed = claimed + 1
+                return True
+            return False
+
+
+_watch: OomWatch | None = None
+_watch_lock = threading.Lock()
+
+
+def oom_watch() -> OomWatch:
+    """The process's one OomWatch (every loader's workers share its cgroup)."""
+    global _watch
+    with _watch_lock:
+        if _watch is None:
+            _watch = OomWatch()
+        return _watch
 
 
 def fix(cause: str, seen: str, cfg: LoaderConfig, batch_bytes: int, local_ranks: int,

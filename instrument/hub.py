@@ -28,6 +28,7 @@ from exporter.http import serve as http_serve
 from exporter.sources import attach, system_sources
 
 from .env import local_rank
+from .failures import is_torch_worker_error
 from .recorder import LoaderCollector, LoaderRecorder
 
 log = logging.getLogger("instrument")
@@ -78,16 +79,19 @@ class Hub:
                 writer.start()
             return writer
 
-    def flush_now(self, urgent: bool = False) -> None:
-        """Asks every snapshot writer for a write: soon at the end of an epoch, at once
-        after an error (SnapshotWriter)."""
+    def flush_now(self) -> None:
+        """Asks every snapshot writer for a write soon (the end of an epoch)."""
         for writer in list(self._writers.values()):
-            writer.wake(urgent)
+            writer.wake()
 
-    def write_now(self) -> None:
-        """Writes every snapshot file at once, in this thread (before an error goes on)."""
-        for writer in list(self._writers.values()):
-            writer.write()
+    def write_soon(self, wait: float = 0.0) -> None:
+        """Asks every snapshot writer for a write at once, in its own thread, and waits up
+        to `wait` seconds for them (a failure's snapshot before its exception goes on)."""
+        writers = list(self._writers.values())
+        asked = [(w, w.ask()) for w in writers]
+        deadline = time.monotonic() + wait
+        for writer, ticket in asked:
+            writer.wait_for(ticket, max(0.0, deadline - time.monotonic()))
 
     def serve(self, port: int = 0, addr: str = "0.0.0.0", system_metrics: bool = True,
               shm_path: str = SHM_PATH, web_config_file: str | None = None) -> ServerHandle:
@@ -189,7 +193,9 @@ class SnapshotWriter:
     dataloader_workers_active (with epochs shorter than the interval, writes made as
     epochs end would all catch non-persistent workers between two epochs). The end of an
     epoch (wake()) brings the next write to within PROMPT seconds, which changes nothing
-    at the default interval of a second; an error (wake(urgent=True)) is written at once.
+    at the default interval of a second; a failure (ask()) is written at once, by this
+    thread (never the loop's: a hung volume must not hang training), and its exception
+    may wait a bounded time for it (wait_for()).
     Failures (missing or unwritable directory, full disk) are logged once and retried
     quietly; training never sees them. The last snapshot is written at interpreter exit.
     """
@@ -209,6 +215,8 @@ class SnapshotWriter:
         self._due = time.monotonic()
         self._stop = threading.Event()
         self._write_lock = threading.Lock()
+        self._done = threading.Condition()
+        self._started = self._finished = 0  # writes begun and ended
         self._failing = False
         self._thread = threading.Thread(target=self._run, name="dataloader-exporter-snapshot",
                                         daemon=True)
@@ -217,13 +225,23 @@ class SnapshotWriter:
         self._thread.start()
         atexit.register(self.close)
 
-    def wake(self, urgent: bool = False) -> None:
-        """Asks for a write: at once if urgent, else within PROMPT seconds."""
-        if urgent:
-            self._urgent = True
-        else:
-            self._due = min(self._due, time.monotonic() + self.PROMPT)
+    def wake(self) -> None:
+        """Asks for a write within PROMPT seconds."""
+        self._due = min(self._due, time.monotonic() + self.PROMPT)
         self._wake.set()
+
+    def ask(self) -> int:
+        """Asks for a write at once; the ticket wait_for() takes."""
+        with self._done:
+            ticket = self._started
+        self._urgent = True
+        self._wake.set()
+        return ticket
+
+    def wait_for(self, ticket: int, timeout: float) -> bool:
+        """Waits up to `timeout` for a write begun after ask() returned `ticket`."""
+        with self._done:
+            return self._done.wait_for(lambda: self._finished > ticket, timeout)
 
     def close(self) -> None:
         """Stops the thread and writes one last snapshot."""
@@ -248,16 +266,24 @@ class SnapshotWriter:
         if os.getpid() != self._pid:  # a forked child must not write its parent's file
             return False
         with self._write_lock:
+            with self._done:
+                self._started += 1
             try:
                 os.makedirs(self.directory, exist_ok=True)
                 write_to_textfile(self.path, self.registry)
             except Exception as e:
+                if is_torch_worker_error(e):  # torch's SIGCHLD word: the loop's, not ours
+                    raise
                 self.failures += 1
                 if not self._failing:
                     self._failing = True
                     log.warning("dataloader-exporter: cannot write metrics snapshot %s: %s "
                                 "(training goes on; will retry quietly)", self.path, e)
                 return False
+            finally:
+                with self._done:
+                    self._finished += 1
+                    self._done.notify_all()
             if self._failing:
                 self._failing = False
                 log.info("dataloader-exporter: metrics snapshots to %s work again", self.path)

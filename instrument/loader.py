@@ -44,6 +44,7 @@ log = logging.getLogger("instrument")
 
 BYTES_EVERY = 64  # batches between two samples of the batch size in bytes
 MAX_PENDING_EVENTS = 4096  # CUDA event pairs kept waiting before the oldest are dropped
+WAIT_WRITE = 1.0  # seconds the loop's exception waits for the snapshot of a dead worker
 
 
 class _Instruments:
@@ -71,6 +72,7 @@ class _Instruments:
         self._last_it: weakref.ref[Any] | None = None  # the iterator whose workers we track
         self._last_gen = 0
         self._said_failures: set[str] = set()
+        self._urgent_once: set[str] = set()  # causes whose first failure was waited for
         # Workers a loader started outside __iter__ (prestart): their iterator and block.
         self.started: tuple[weakref.ref[Any], torch.Tensor] | None = None
         directory = metrics_dir or os.environ.get(ENV_DIR) or None
@@ -87,8 +89,6 @@ class _Instruments:
     def rec(self) -> LoaderRecorder:
         if self._rec is None:
             self._rec = self.hub.recorder(self.name, current_rank())
-            if self._rec.workers.report is None:  # failures are said once, with a fix
-                self._rec.workers.report = self.failed
         return self._rec
 
     def failed(self, cause: str, pid: int | None, seen: str) -> None:
@@ -110,7 +110,10 @@ class _Instruments:
         framework may call iter() to probe a loader and fetch nothing)."""
         self.config = LoaderConfig.of(loader)
         rec = self.rec
-        rec.config = {"loader": self.name, "rank": rec.rank, **self.config.labels()}
+        rec.workers.report = self.failed  # failures are said with this loader's settings
+        shm = shm_space(SHM_PATH)  # the trainer's own, which a doctor elsewhere cannot see
+        rec.config = {"loader": self.name, "rank": rec.rank, **self.config.labels(),
+                      "shm_size_bytes": str(shm.size) if shm else ""}
         if self.config.num_workers == 0:
             rec.workers.blind = False
             if rec.workers.active is None:
@@ -166,17 +169,28 @@ class _Instruments:
             self.rec.workers.stop(gen)  # torch has shut these workers down on purpose
         self.hub.flush_now()
 
-    def error(self, exc: BaseException, it: Any) -> None:
+    def error(self, exc: BaseException, it: Any, count: bool = True) -> None:
         """The iterator `it` raised `exc` (the loop may catch it and go on): a worker gone
-        now is lost, the failure is counted by cause, and the snapshot is written before
-        the exception goes on to the loop."""
+        now is lost, the failure is counted by its cause, and the snapshot is written
+        (by the writer's thread, waited for up to WAIT_WRITE) before the exception goes on
+        to the loop: for every worker's death and /dev/shm failure, and for the first
+        error of the dataset (one that raises again and again costs nothing more). count
+        False: a holder's inner loader, whose holder counts the exception."""
         self.iterated = True  # it was: a failed first batch is no framework's rebuild
         workers = self.rec.workers
-        workers.refresh(0.0, on_error=True, exits=lambda pid: from_exitcode(
-            compat.worker_exitcode(it, pid)))
-        if failures.deaths_in(exc) is None:  # a death is counted once, by its exit above
-            workers.fail(failures.cause_of_error(exc), None, failures.first_line(exc))
-        self.hub.write_now()
+        death = failures.deaths_in(exc)
+        workers.refresh(0.0, on_error=True, named=dict.fromkeys(*death) if death else None,
+                        exits=lambda pid: from_exitcode(compat.worker_exitcode(it, pid)))
+        if not count:
+            return
+        cause = None if death else failures.cause_of_error(exc, self.config.num_workers or 0)
+        if cause is not None:
+            workers.fail(cause, None, failures.first_line(exc))
+        if death or cause == failures.SHM or (cause is not None and
+                                               cause not in self._urgent_once):
+            if cause is not None:  # a dataset raising again and again waits once
+                self._urgent_once.add(cause)
+            self.hub.write_soon(wait=WAIT_WRITE)
 
     def note_gpu(self, uuid: str) -> None:
         """Labels dataloader_info with the GPU this loader's batches go to."""
@@ -319,9 +333,8 @@ def holder_iter(holder: Any, inner: list[Any], dle: _Instruments,
 
 
 def reraise_torch_worker_error(e: Exception) -> None:
-    """torch's SIGCHLD handler raises a dead worker's error wherever the main thread is;
-    one that lands in our bookkeeping goes on to the loop, as it would without us."""
-    if isinstance(e, RuntimeError) and str(e).startswith("DataLoader worker"):
+    """A dead worker's error torch raised in our bookkeeping goes on to the loop."""
+    if failures.is_torch_worker_error(e):
         raise e
 
 
@@ -385,7 +398,7 @@ class TimedIterator:
             if clean:
                 self._owner.end(self._gen)
             elif exc is not None:
-                self._owner.error(exc, self._it)
+                self._owner.error(exc, self._it, count=not isinstance(self, QuietIterator))
         except Exception as e:
             reraise_torch_worker_error(e)
             log.debug("metrics bookkeeping failed at the end of an epoch", exc_info=True)

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PROC = "/proc"
-PSS_BUDGET = 0.005  # of one core, for reading PSS (its cost grows with the worker's memory)
+PSS_BUDGET = 0.004  # of one core, for reading PSS (its cost grows with the worker's memory)
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -147,16 +148,17 @@ class Figures:
     out batches (None where a sample lacked the figure), the live workers' memory, and
     the largest resident memory any of its workers has had."""
 
-    running_ns: int
+    running_ns: int | None  # None: no interval seen yet (workers short-lived)
     waiting_ns: int | None
     blocked_ns: int | None
-    major_faults: int
+    major_faults: int | None
     read_storage: int | None
     read_syscalls: int | None
     rss_bytes: int
     max_rss_bytes: int
     pss_bytes: int | None
     swap_bytes: int | None
+    available_bytes: int | None  # the least memory room seen while batches flowed
 
 
 _SUMMED = ("running_ns", "waiting_ns", "blocked_ns", "major_faults", "read_storage",
@@ -173,19 +175,28 @@ class ProcAccount:
         self.proc = proc
         self.live: dict[int, ProcSample] = {}
         self._sums: dict[str, int | None] = dict.fromkeys(_SUMMED, 0)
+        self._intervals = 0  # intervals counted: none (short-lived workers) is unknown
         self._peak_rss = 0
+        self._room: int | None = None
         self._pss = PssReader(proc)
         self._pss_now: dict[int, int] = {}
 
-    def observe(self, pids: list[int], now: float, active: bool) -> None:
+    def observe(self, pids: list[int], now: float, active: bool,
+                room: Callable[[], int | None] | None = None) -> None:
         """Samples the live workers `pids`; active: the loader handed out batches since
-        the last samples. A worker that cannot be read has ended."""
+        the last samples. A worker that cannot be read has ended. room: the memory this
+        process's container may still allocate, kept as its low-water mark while active."""
+        if active and pids and room is not None:
+            now_room = room()
+            if now_room is not None:
+                self._room = now_room if self._room is None else min(self._room, now_room)
         for pid in pids:
             got = sample(pid, self.proc)
             old = self.live.pop(pid, None)
             if got is None:
                 continue
             if active and old is not None and old.start_ticks == got.start_ticks:
+                self._intervals += 1
                 for name in _SUMMED:
                     new, was, total = getattr(got, name), getattr(old, name), self._sums[name]
                     self._sums[name] = (None if new is None or was is None or total is None
@@ -205,11 +216,12 @@ class ProcAccount:
         live = list(self.live.values())
         swaps = [s.swap_bytes for s in live]
         pss = [self._pss_now.get(pid) for pid in self.live]
-        sums = self._sums
+        sums = self._sums if self._intervals else dict.fromkeys(_SUMMED)
         return Figures(
-            running_ns=sums["running_ns"] or 0, waiting_ns=sums["waiting_ns"],
-            blocked_ns=sums["blocked_ns"], major_faults=sums["major_faults"] or 0,
+            running_ns=sums["running_ns"], waiting_ns=sums["waiting_ns"],
+            blocked_ns=sums["blocked_ns"], major_faults=sums["major_faults"],
             read_storage=sums["read_storage"], read_syscalls=sums["read_syscalls"],
+            available_bytes=self._room,
             rss_bytes=sum(s.rss_bytes for s in live), max_rss_bytes=self._peak_rss,
             pss_bytes=None if None in pss else sum(p for p in pss if p is not None),
             swap_bytes=None if None in swaps else sum(s for s in swaps if s is not None))

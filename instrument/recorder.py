@@ -212,19 +212,22 @@ def _proc_families(recs: list[LoaderRecorder]) -> Iterator[Family]:
     for r in recs:
         lr = [r.name, r.rank]
         for cause, n in r.workers.failures.items():
-            fail_f.add_metric([*lr, cause], n)
+            if n:  # a cause seen; the alerts take a series first seen at 1 as a failure
+                fail_f.add_metric([*lr, cause], n)
         fig = r.workers.proc_figures()
         if fig is None:
             continue  # no worker read (yet): unknown, not 0
         split: list[tuple[Any, tuple[str, ...], tuple[int | None, ...], float]] = [
             (time_f, cat.WORKER_STATES, (fig.running_ns, fig.waiting_ns, fig.blocked_ns), 1e9),
             (read_f, cat.READ_SOURCES, (fig.read_storage, fig.read_syscalls), 1.0),
-            (memory_f, cat.MEMORY_KINDS, (fig.rss_bytes, fig.pss_bytes, fig.swap_bytes), 1.0)]
+            (memory_f, cat.MEMORY_KINDS, (fig.rss_bytes, fig.pss_bytes, fig.swap_bytes,
+                                          fig.available_bytes), 1.0)]
         for fam, names, values, scale in split:
             for label, v in zip(names, values, strict=True):
                 if v is not None:
                     fam.add_metric([*lr, label], v / scale)
-        faults_f.add_metric(lr, fig.major_faults)
+        if fig.major_faults is not None:
+            faults_f.add_metric(lr, fig.major_faults)
         max_f.add_metric(lr, fig.max_rss_bytes)
     yield from (time_f, read_f, faults_f, memory_f, max_f, fail_f)
 

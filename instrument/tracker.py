@@ -20,7 +20,6 @@ and its memory.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -34,8 +33,11 @@ import psutil
 import torch
 
 from exporter.catalogue import FAILURE_CAUSES
+from exporter.facts.cgroup import memory_room as cgroup_room
+from exporter.facts.memory import host_memory
+from exporter.facts.shm import SHM_PATH, shm_space
 
-from .failures import OomWatch, cause_of_exit
+from .failures import CRASH, SHM_SMALL, cause_of_exit, is_torch_worker_error, oom_watch
 from .procstat import Figures, ProcAccount
 from .workers import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED
 
@@ -65,6 +67,22 @@ def exit_of(pid: int) -> Exit | None:
     if os.WIFSIGNALED(status):
         return os.WTERMSIG(status), None
     return None, os.WEXITSTATUS(status)
+
+
+def _shm_full(path: str = SHM_PATH) -> bool:
+    """Whether /dev/shm could have been what a SIGBUS hit: small (a container's) or at
+    least half full."""
+    space = shm_space(path)
+    return space is not None and (space.size < SHM_SMALL or space.used * 2 >= space.size)
+
+
+def memory_room() -> int | None:
+    """What this process's container may still allocate (exporter.facts.cgroup)."""
+    try:
+        total, available = host_memory()
+        return cgroup_room(total, available)
+    except Exception:  # a figure that cannot be read is left out, never guessed
+        return None
 
 
 def _signal_name(signo: int) -> str:
@@ -158,7 +176,7 @@ class WorkerTracker:
         # Told of each failure with a cause: (cause, pid or None, what was seen).
         self.report: Callable[[str, int | None, str], None] | None = None
         self._unreported: list[tuple[str, int | None, str]] = []
-        self._oom: OomWatch | None = None
+        self._seen: dict[int, tuple[float, int] | None] = {}  # pid -> last alive reading
         self._batches_seen = 0  # the loader's batches at the last /proc reading
 
     # --- fed by the loader ------------------------------------------------------------
@@ -170,7 +188,9 @@ class WorkerTracker:
             key = self._ids
             self._live[key] = _Generation(block, [p for p in pids if p])
             self._next = 0.0
-            self._oom_watch().read()  # the count before these workers can be killed
+            reading = oom_watch().read()  # the count before these workers can be killed
+            for pid in self._live[key].pids:
+                self._seen[pid] = reading
         weakref.finalize(iterator, self._collected.append, key)  # no lock: see the docstring
         return key
 
@@ -202,17 +222,26 @@ class WorkerTracker:
 
     # --- read by the collector ---------------------------------------------------------
     def refresh(self, now: float, on_error: bool = False,
-                exits: Callable[[int], Exit | None] | None = None, batches: int = 0) -> None:
+                exits: Callable[[int], Exit | None] | None = None, batches: int = 0,
+                named: dict[int, int | None] | None = None) -> None:
         """Re-counts live workers and reads their /proc figures, at most once per
-        min_interval unless on_error (the loader raised: a worker gone now was lost,
-        whatever its exit). exits: how a dead worker ended, where torch has reaped it;
-        batches: the loader's count so far (the workers' time counts while it grows)."""
+        min_interval unless on_error (the loader raised: a worker gone now with no exit
+        to read was lost). exits: how a dead worker ended, where torch has reaped it;
+        batches: the loader's count so far (the workers' time counts while it grows);
+        named: the workers torch's exception says died (pid -> signal, None for "exited
+        unexpectedly"), lost whatever their exit code."""
         with self._lock:
-            self._refresh(now, on_error, exits, batches)
+            self._refresh(now, on_error, exits, batches, named or {})
+            for pid, signo in (named or {}).items():  # workers we could not see
+                if pid not in self._done:
+                    self.lost += 1
+                    self._died(pid, (signo, None) if signo is not None else (None, 0), True)
+                    self._end(pid)
         self._deliver()
 
     def _refresh(self, now: float, on_error: bool,
-                 exits: Callable[[int], Exit | None] | None, batches: int) -> None:
+                 exits: Callable[[int], Exit | None] | None, batches: int,
+                 named: dict[int, int | None]) -> None:
         """refresh(), the lock held."""
         self._fold_collected()
         if not on_error and now < self._next:
@@ -227,40 +256,50 @@ class WorkerTracker:
             self.active = None  # workers exist, but none can be seen yet
             return
         alive: list[int] = []
-        self._oom_watch().read()
+        reading = oom_watch().read()
         for pid in sorted(known - self._done):
             if self._alive(pid):
                 alive.append(pid)
+                self._seen[pid] = reading
                 continue
             how = exit_of(pid) or (exits(pid) if exits is not None else None)
-            if (how is not None and how != (None, 0)) or on_error:
+            if how is None and named.get(pid) is not None:  # reaped: torch's word for it
+                how = (named[pid], None)
+            if how is not None and (how != (None, 0) or pid in named):
                 self.lost += 1
-                if how is not None:
-                    self._died(pid, how)
+                self._died(pid, how, unexpected=pid in named)
+            elif how is None and on_error:  # gone when the loader raised: lost, cause unknown
+                self.lost += 1
             if how is not None or on_error:
-                self._done.add(pid)
-                self._procs.pop(pid, None)
-                self.proc.end(pid)
+                self._end(pid)
         if not on_error:
-            self.proc.observe(alive, now, active=batches != self._batches_seen)
+            self.proc.observe(alive, now, active=batches != self._batches_seen,
+                              room=memory_room)
             self._batches_seen = batches
         self.active = len(alive)
 
-    def _oom_watch(self) -> OomWatch:
-        if self._oom is None:
-            self._oom = OomWatch()
-        return self._oom
+    def _end(self, pid: int) -> None:
+        """A worker is done with, lost or not: never counted again (lock held)."""
+        self._done.add(pid)
+        self._procs.pop(pid, None)
+        self._seen.pop(pid, None)
+        self.proc.end(pid)
 
-    def _died(self, pid: int, how: Exit) -> None:
-        """A worker that ended badly: its cause, from its exit (lock held)."""
+    def _died(self, pid: int, how: Exit, unexpected: bool = False) -> None:
+        """A worker that ended badly: its cause, from its exit (lock held); unexpected:
+        torch says it exited unexpectedly, whatever its exit code."""
         signo, code = how
-        oom = signo == signal.SIGKILL and self._oom_watch().claim()
-        cause = cause_of_exit(signo, code, oom)
-        if cause is not None:
-            seen = f"exit code {code}" if signo is None else f"signal {_signal_name(signo)}"
-            self.failures[cause] += 1
-            self._unreported.append(
-                (cause, pid, seen + ("; the kernel's OOM-kill count rose" if oom else "")))
+        oom = oom_watch().claim(self._seen.get(pid)) if signo == signal.SIGKILL else False
+        cause = cause_of_exit(signo, code, oom, signo == signal.SIGBUS and _shm_full())
+        if cause is None and unexpected:
+            cause = CRASH
+        if cause is None:
+            return  # a SIGKILL the OOM-kill count cannot tell about: no cause claimed
+        seen = f"exit code {code}" if signo is None else f"signal {_signal_name(signo)}"
+        if oom:
+            seen += "; the kernel's OOM-kill count rose"
+        self.failures[cause] += 1
+        self._unreported.append((cause, pid, seen))
 
     def fail(self, cause: str, pid: int | None = None, seen: str = "") -> None:
         """Counts one failure and tells `report` of it (lock not held)."""
@@ -275,8 +314,11 @@ class WorkerTracker:
             pending, self._unreported = self._unreported, []
         for failure in pending:
             if self.report is not None:
-                with contextlib.suppress(Exception):  # a report must never break bookkeeping
+                try:
                     self.report(*failure)
+                except Exception as e:  # a report must never break bookkeeping...
+                    if is_torch_worker_error(e):
+                        raise  # ...nor swallow torch's word that a worker died
 
     def proc_figures(self) -> Figures | None:
         """The workers' /proc figures (procstat.Figures); None where unknown."""

@@ -41,6 +41,7 @@ def metric_names(expr: str) -> set[str]:
     text = _STRING.sub('""', expr)
     text = re.sub(r"\{[^}]*\}", " ", text)
     text = re.sub(r"\[[^\]]*\]", " ", text)
+    text = re.sub(r"\boffset\s+\d+[smhdwy]", " ", text)  # offset 10m: a modifier
     text = _GROUPING.sub(" ", text)
     text = _NUMBER.sub(" ", text)
     names = set()
@@ -223,7 +224,8 @@ def test_the_overview_shows_where_the_workers_time_goes_their_memory_and_failure
     assert exprs["Worker time by state"].startswith("sum by (loader, state) (rate(")
     assert cat.WORKER_TIME.name in exprs["Worker time by state"]
     assert {t["legendFormat"] for t in shown["Worker memory"]["targets"]} == {
-        "{{loader}} {{kind}}", "{{loader}} largest worker (rss)"}
+        "{{loader}} {{kind}}", "{{loader}} largest worker (rss)",
+        "{{loader}} available (tightest rank)"}
     for title, metric in (("Worker memory", cat.WORKER_MEMORY),
                           ("Worker memory", cat.WORKER_MAX_RSS), ("Worker reads", cat.WORKER_READ),
                           ("Worker major page faults", cat.WORKER_MAJOR_FAULTS),

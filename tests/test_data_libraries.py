@@ -431,3 +431,22 @@ def test_a_stateful_dataloader_asked_for_its_state_first_keeps_its_worker_series
     assert sum(len(b[1]) for b in loader) == 20
     assert value(registry, cat.SAMPLES.name, **L) == 40
     assert sum(per_worker(registry, cat.WORKER_SAMPLES).values()) == 40
+
+
+def _fail_at_five(sample: tuple[str, str, int]) -> tuple[str, str, int]:
+    if sample[2] == 5:
+        raise ValueError("bad record 5")
+    return sample
+
+
+def test_an_error_through_webdataset_is_counted_once(registry: CollectorRegistry,
+                                                     shards: list[str]) -> None:
+    wds = require_module("webdataset")
+    dataset = wds.WebDataset(shards, shardshuffle=False).decode().to_tuple(
+        "__key__", "txt", "cls").map(_fail_at_five).batched(4)
+    loader = instrument.wrap(wds.WebLoader(dataset, batch_size=None, num_workers=2), name="t",
+                             registry=registry)
+    with pytest.raises(ValueError, match="bad record 5"):
+        for _ in loader:
+            pass
+    assert value(registry, cat.FAILURES.name, **L, cause="error") == 1

@@ -21,12 +21,9 @@ from prometheus_client.metrics_core import Metric as Family
 
 from exporter import catalogue as c
 from exporter.collectors.base import LogOnce, family
-from exporter.facts.cgroup import own_cgroups
+from exporter.facts.cgroup import V1_UNLIMITED, memory_files, read_value
 
 log = logging.getLogger("exporter.host")
-
-# cgroup v1 reports "no limit" as the largest page-aligned int64 (9223372036854771712).
-_V1_UNLIMITED = 2**62
 
 
 def _gauge(metric: c.Metric, value: float) -> Family:
@@ -86,46 +83,21 @@ class HostCollector:
             families.append(_gauge(c.HOST_SWAP_USED, mem["SwapTotal"] - mem["SwapFree"]))
         return mem.get("MemTotal")
 
-    def _cgroup_files(self) -> tuple[Path, Path] | None:
-        """The (limit, usage) files of our memory cgroup: v2 first, then v1; None if neither."""
-        own_v2, own_v1 = own_cgroups(self.proc_root)
-        v1_root = self.cgroup_root / "memory"
-        layouts = (
-            ([self.cgroup_root / own_v2.lstrip("/"), self.cgroup_root],
-             "memory.max", "memory.current"),
-            ([v1_root / own_v1.lstrip("/"), v1_root],
-             "memory.limit_in_bytes", "memory.usage_in_bytes"),
-        )
-        for dirs, limit, usage in layouts:
-            for d in dirs:
-                if (d / limit).exists() or (d / usage).exists():
-                    return d / limit, d / usage
-        return None
-
     def _collect_cgroup(self, families: list[Family], host_total: int | None) -> None:
-        files = self._cgroup_files()
+        files = memory_files(self.proc_root, self.cgroup_root)
         if files is None:  # not in a memory cgroup we can see: nothing to report
             return
         limit_file, usage_file = files
         try:
-            limit = _read_value(limit_file)
-            usage = _read_value(usage_file)
+            limit = read_value(limit_file)
+            usage = read_value(usage_file)
         except (OSError, ValueError) as err:
             self._fail("cgroup", "cgroup memory metrics skipped: %s", err)
             return
         self._logs.cleared("cgroup", "cgroup memory metrics readable again")
-        unlimited = limit is None or limit >= _V1_UNLIMITED or (
+        unlimited = limit is None or limit >= V1_UNLIMITED or (
             host_total is not None and limit > host_total)
         if limit is not None and not unlimited:
             families.append(_gauge(c.CGROUP_MEMORY_LIMIT, limit))
         if usage is not None:
             families.append(_gauge(c.CGROUP_MEMORY_USAGE, usage))
-
-
-def _read_value(path: Path) -> int | None:
-    """A cgroup file's number; None if the file is absent or says "max" (no limit)."""
-    try:
-        text = path.read_text().strip()
-    except FileNotFoundError:
-        return None
-    return None if text == "max" else int(text)

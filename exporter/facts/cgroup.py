@@ -1,4 +1,5 @@
-"""The memory cgroup a process is in, and the kernel's count of OOM kills in it.
+"""The memory cgroup a process is in: its limit and usage, and the kernel's count of OOM
+kills in it.
 
 A DataLoader worker killed by the kernel's OOM killer dies of SIGKILL like one killed by
 anything else; only the kernel's own count tells them apart. It counts OOM kills per
@@ -36,6 +37,52 @@ def own_cgroups(proc_root: Path) -> tuple[str, str]:
         elif "memory" in controllers.split(","):
             v1 = path
     return v2, v1
+
+
+# cgroup v1 reports "no limit" as the largest page-aligned int64 (9223372036854771712).
+V1_UNLIMITED = 2**62
+
+
+def memory_files(proc_root: Path, cgroup_root: Path) -> tuple[Path, Path] | None:
+    """The (limit, usage) files of our memory cgroup: v2 first, then v1; None if neither."""
+    own_v2, own_v1 = own_cgroups(proc_root)
+    v1_root = cgroup_root / "memory"
+    layouts = (
+        ([cgroup_root / own_v2.lstrip("/"), cgroup_root], "memory.max", "memory.current"),
+        ([v1_root / own_v1.lstrip("/"), v1_root],
+         "memory.limit_in_bytes", "memory.usage_in_bytes"),
+    )
+    for dirs, limit, usage in layouts:
+        for d in dirs:
+            if (d / limit).exists() or (d / usage).exists():
+                return d / limit, d / usage
+    return None
+
+
+def read_value(path: Path) -> int | None:
+    """A cgroup file's number; None if the file is absent or says "max" (no limit)."""
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return None if text == "max" else int(text)
+
+
+def memory_room(host_total: int, host_available: int, proc_root: str = PROC,
+                cgroup_root: str = CGROUP) -> int:
+    """Memory this process's container may still allocate: its memory cgroup's limit
+    minus its usage where it has a limit below the host's memory, else the host's
+    available memory (the smaller of the two)."""
+    room = host_available
+    files = memory_files(Path(proc_root), Path(cgroup_root))
+    if files is not None:
+        try:
+            limit, usage = read_value(files[0]), read_value(files[1])
+        except (OSError, ValueError):
+            return room
+        if limit is not None and usage is not None and limit < min(V1_UNLIMITED, host_total):
+            room = min(room, max(0, limit - usage))
+    return room
 
 
 def _count(path: Path, key: str) -> int | None:
