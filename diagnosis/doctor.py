@@ -179,7 +179,7 @@ def _shm_total(s: LoaderSignals, machine: Machine) -> float | None:
     snapshot files read elsewhere), else as this machine has it."""
     if s.shm_size is not None:
         return s.shm_size
-    trainer = _int(s.config.get("shm_size_bytes"))
+    trainer = _int(s.config.get("dev_shm_bytes"))
     return float(trainer) if trainer else machine.shm_size
 
 

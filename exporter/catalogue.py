@@ -40,7 +40,7 @@ LOADER_LABELS: tuple[str, ...] = ("loader", "rank")
 WORKER_LABELS: tuple[str, ...] = ("loader", "rank", "worker")
 INFO_LABELS: tuple[str, ...] = (
     "loader", "rank", "num_workers", "batch_size", "prefetch_factor", "pin_memory",
-    "persistent_workers", "gpu_uuid", "shm_size_bytes",
+    "persistent_workers", "gpu_uuid", "dev_shm_bytes",
 )
 PHASE_FETCH = "fetch"
 PHASE_TRANSFER = "transfer"

@@ -113,7 +113,7 @@ class _Instruments:
         rec.workers.report = self.failed  # failures are said with this loader's settings
         shm = shm_space(SHM_PATH)  # the trainer's own, which a doctor elsewhere cannot see
         rec.config = {"loader": self.name, "rank": rec.rank, **self.config.labels(),
-                      "shm_size_bytes": str(shm.size) if shm else ""}
+                      "dev_shm_bytes": str(shm.size) if shm else ""}
         if self.config.num_workers == 0:
             rec.workers.blind = False
             if rec.workers.active is None:

@@ -11,8 +11,10 @@ from prometheus_client import CollectorRegistry
 
 import instrument
 from exporter import catalogue as cat
+from exporter.facts.shm import SHM_PATH, shm_space
 
 L = {"loader": "t", "rank": "0"}
+DEV_SHM = str(shm_space(SHM_PATH).size)  # the trainer's own /dev/shm, in dataloader_info
 FETCH = {**L, "phase": cat.PHASE_FETCH}
 TRANSFER = {**L, "phase": cat.PHASE_TRANSFER}
 
@@ -119,7 +121,8 @@ def test_info_metric_carries_the_effective_configuration(registry: CollectorRegi
     for _ in loader:
         pass
     info = {"num_workers": "2", "batch_size": "2", "prefetch_factor": "2",
-            "pin_memory": "false", "persistent_workers": "true", "gpu_uuid": ""}
+            "pin_memory": "false", "persistent_workers": "true", "gpu_uuid": "",
+            "dev_shm_bytes": DEV_SHM}
     assert value(registry, cat.INFO.name, **L, **info) == 1
     assert value(registry, cat.WORKERS_CONFIGURED.name, **L) == 2
 
@@ -231,11 +234,11 @@ def test_dataloader_info_carries_the_gpu_uuid_once_batches_go_to_cuda(
         pass
     assert value(registry, cat.INFO.name, **L, num_workers="0", batch_size="2",
                  prefetch_factor="", pin_memory="false", persistent_workers="false",
-                 gpu_uuid="") == 1
+                 gpu_uuid="", dev_shm_bytes=DEV_SHM) == 1
     # No GPU here: to_device's CUDA branch calls exactly this with the device's UUID.
     loader._dle.note_gpu("GPU-6e1a4c2d")
     for _ in loader:
         pass
     assert value(registry, cat.INFO.name, **L, num_workers="0", batch_size="2",
                  prefetch_factor="", pin_memory="false", persistent_workers="false",
-                 gpu_uuid="GPU-6e1a4c2d") == 1
+                 gpu_uuid="GPU-6e1a4c2d", dev_shm_bytes=DEV_SHM) == 1

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 import instrument
 from exporter import catalogue as cat
+from exporter.facts.shm import SHM_PATH, shm_space
 from exporter.loadersettings import ENV_SETTINGS, Setting, SettingsError, format_settings, parse
 
 
@@ -64,7 +65,7 @@ def test_settings_apply_to_an_instrumented_loader_when_it_is_built(
     assert sum(1 for _ in loader) == 2
     labels = {"loader": "t", "rank": "0", "num_workers": "1", "batch_size": "2",
               "prefetch_factor": "3", "pin_memory": "false", "persistent_workers": "true",
-              "gpu_uuid": ""}
+              "gpu_uuid": "", "dev_shm_bytes": str(shm_space(SHM_PATH).size)}
     assert registry.get_sample_value(cat.INFO.name, labels) == 1
     said = caplog.text
     assert "dataloader 't': num_workers=1 from DATALOADER_EXPORTER_SETTINGS (was 0)" in said
