@@ -212,6 +212,8 @@ def test_snapshots_show_the_workers_of_short_epochs_and_none_after_the_last(
     # Short epochs, workers alive most of the time.
     assert epochs >= 3 and alive / 2.5 > 0.8, (epochs, alive)
     assert len(readings) >= 5, readings
-    assert sum(r == 2 for r in readings) >= len(readings) / 2, readings
+    # Writes land at random in the epochs: most say 2 (the bug said 0 in 50 of 50). A write
+    # while torch forks an epoch's workers (not yet known: slow on a loaded machine) says 0.
+    assert sum(r == 2 for r in readings) >= len(readings) / 3, readings
     writer.close()  # the last snapshot, as at exit
     assert _workers_active_in(writer.path) == 0

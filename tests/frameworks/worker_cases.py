@@ -94,6 +94,7 @@ def failing(case: str, out: str) -> None:
     size = 2 * 1024 * 1024 if case == "shm" else 4  # 8 MiB float32 samples
     kw: dict[str, Any] = {"batch_size": 1 if case != "shm" else 2, "num_workers": 2}
     got = {}
+    before = shm_used()
     for which in ("bare", "ours"):
         ds = Work(64, fail=case if case != "killed" else "wait", bad=5, size=size,
                   sleep=0.01)
@@ -110,7 +111,29 @@ def failing(case: str, out: str) -> None:
             got[which] = seen(e)
         else:
             got[which] = "no exception"
+        if case == "shm":  # the next run starts where this one did: /dev/shm given back
+            del it, loader
+            settle(before)
     record(out, 0, seen=got)
+
+
+def shm_used() -> int:
+    st = os.statvfs("/dev/shm")
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def settle(before: int, seconds: float = 10.0) -> None:
+    """Waits until the shared memory a finished loader held is freed (its workers'
+    batches in /dev/shm go with torch's iterator), so the bare and the instrumented run
+    each start with /dev/shm as it was."""
+    import gc
+
+    end = time.monotonic() + seconds
+    while True:
+        gc.collect()
+        if shm_used() <= before + (1 << 20) or time.monotonic() > end:
+            return
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":
