@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import socket
 import threading
@@ -213,6 +214,8 @@ class SnapshotWriter:
         self._wake = threading.Event()
         self._urgent = False
         self._due = time.monotonic()
+        self._prompt = math.inf  # a write asked for by then (the end of an epoch)
+        self._prompt_asked = -math.inf  # when it was asked: a write begun later answers it
         self._stop = threading.Event()
         self._write_lock = threading.Lock()
         self._done = threading.Condition()
@@ -227,7 +230,9 @@ class SnapshotWriter:
 
     def wake(self) -> None:
         """Asks for a write within PROMPT seconds."""
-        self._due = min(self._due, time.monotonic() + self.PROMPT)
+        now = time.monotonic()
+        self._prompt_asked = now
+        self._prompt = min(self._prompt, now + self.PROMPT)
         self._wake.set()
 
     def ask(self) -> int:
@@ -254,11 +259,14 @@ class SnapshotWriter:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self._urgent or time.monotonic() >= self._due:
-                self._urgent = False
+            now = time.monotonic()
+            if self._urgent or now >= min(self._due, self._prompt):
+                self._urgent = False  # an ask() during the write asks again
                 self.write()
+                if self._prompt_asked <= now:  # asked before this write began: answered
+                    self._prompt = math.inf
                 self._due = time.monotonic() + self.interval  # a slow write is no busy loop
-            self._wake.wait(max(0.0, self._due - time.monotonic()))
+            self._wake.wait(max(0.0, min(self._due, self._prompt) - time.monotonic()))
             self._wake.clear()
 
     def write(self) -> bool:

@@ -123,3 +123,38 @@ def test_a_full_disk_is_survived_and_writing_resumes_when_space_returns(
         assert writer.write()
         assert parse(Path(writer.path).read_text())[(cat.BATCHES.name, L)] == 3
         assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
+
+
+class _Held:
+    """A collector whose collection waits until the test lets it go."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.inside = threading.Event()
+        self.go = threading.Event()
+
+    def collect(self) -> list[object]:
+        self.inside.set()
+        self.go.wait(10)
+        return []
+
+
+def test_a_write_asked_for_while_one_is_under_way_is_not_lost(tmp_path: Path) -> None:
+    """The end of an epoch asks for a write while the snapshot thread is writing: the write
+    under way began before the ask, so one more must follow."""
+    from instrument.hub import SnapshotWriter
+
+    held = _Held()
+    registry = CollectorRegistry()
+    registry.register(held)  # type: ignore[arg-type]
+    writer = SnapshotWriter(registry, str(tmp_path), interval=3600)
+    writer.start()
+    try:
+        assert held.inside.wait(10)  # the first write is under way
+        writer.wake()
+        held.go.set()
+        assert deadline_poll(lambda: writer.writes >= 2, 5.0), writer.writes
+    finally:
+        held.go.set()
+        writer.close()
