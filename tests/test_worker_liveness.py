@@ -161,26 +161,58 @@ def test_a_collection_during_a_scrape_never_counts_a_generation_twice(
         gc.set_threshold(*threshold)
 
 
-def _workers_active_in(path: str) -> float | None:
+def _reading(path: str) -> tuple[float, float, float] | None:
+    """(collection began, collection ended, dataloader_workers_active) in one snapshot."""
+    found: dict[str, float] = {}
     try:
         with open(path) as f:
             for line in f:
-                if line.startswith(cat.WORKERS_ACTIVE.name + "{"):
-                    return float(line.rsplit(" ", 1)[1])
+                for key in ("test_collect_begin ", "test_collect_end ",
+                            cat.WORKERS_ACTIVE.name + "{"):
+                    if line.startswith(key):
+                        found[key] = float(line.rsplit(" ", 1)[1])
     except FileNotFoundError:
-        pass
-    return None
+        return None
+    if len(found) < 3:
+        return None
+    return (found["test_collect_begin "], found["test_collect_end "],
+            found[cat.WORKERS_ACTIVE.name + "{"])
+
+
+def _workers_active_in(path: str) -> float | None:
+    reading = _reading(path)
+    return reading[2] if reading is not None else None
+
+
+class _Clocked:
+    """A snapshot writer's registry that also says when its collection began and ended
+    (monotonic time): the figures between were taken then."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+        yield GaugeMetricFamily("test_collect_begin", "", value=time.monotonic())
+        yield from self.inner.collect()
+        yield GaugeMetricFamily("test_collect_end", "", value=time.monotonic())
 
 
 def test_snapshots_show_the_workers_of_short_epochs_and_none_after_the_last(
         registry: CollectorRegistry, tmp_path: Any) -> None:
-    """Epochs far shorter than the snapshot interval, workers not persistent: alive nearly
-    all the time (torch restarts them at each iter()), and the snapshots must say so,
-    not 0 because each was written as an epoch ended; the last, after the loop, says 0."""
+    """Epochs far shorter than the snapshot interval, workers not persistent (torch restarts
+    them at each iter()). Every snapshot taken while an epoch's workers were known (from
+    iter()'s return to the epoch's last batch, on the loop's own clock) says 2, not 0 as
+    when each was written as an epoch ended (the bug: 0 in 50 of 50); the last, after the
+    loop, says 0. Torch forks the workers inside iter(), which takes a large share of a
+    short epoch in a big process (fork copies its page tables), so a snapshot taken then
+    may say 0: only snapshots inside the known windows are judged, and the loop runs until
+    enough of them have been seen."""
     loader = instrument.DataLoader(SleepDataset(8, 0.01), batch_size=2, num_workers=2,
                                    name="t", registry=registry)
     writer = instrument.hub_for(registry).write_snapshots(str(tmp_path), interval=0.2)
-    readings: list[float] = []
+    writer.registry = _Clocked(writer.registry)  # type: ignore[assignment]
+    readings: list[tuple[float, float, float]] = []
     done = threading.Event()
 
     def poll() -> None:  # every version of the file, as a sidecar scraping it would see it
@@ -192,28 +224,33 @@ def test_snapshots_show_the_workers_of_short_epochs_and_none_after_the_last(
                 st = None
             if st is not None and (st.st_ino, st.st_mtime_ns) != seen:
                 seen = (st.st_ino, st.st_mtime_ns)
-                active = _workers_active_in(writer.path)
-                if active is not None:
-                    readings.append(active)
+                reading = _reading(writer.path)
+                if reading is not None:
+                    readings.append(reading)
             time.sleep(0.01)
+
+    def judged() -> list[float]:
+        return [active for begin, end, active in list(readings)
+                if any(known <= begin and end <= last for known, last in windows)]
 
     poller = threading.Thread(target=poll)
     poller.start()
-    alive = epochs = 0.0
-    end = time.monotonic() + 2.5
-    while time.monotonic() < end:
-        start = time.monotonic()
-        for _ in loader:
-            pass
-        alive += time.monotonic() - start  # from iter() to the end: workers alive
-        epochs += 1
-    done.set()
-    poller.join()
-    # Short epochs, workers alive most of the time.
-    assert epochs >= 3 and alive / 2.5 > 0.8, (epochs, alive)
-    assert len(readings) >= 5, readings
-    # Writes land at random in the epochs: most say 2 (the bug said 0 in 50 of 50). A write
-    # while torch forks an epoch's workers (not yet known: slow on a loaded machine) says 0.
-    assert sum(r == 2 for r in readings) >= len(readings) / 3, readings
+    windows: list[tuple[float, float]] = []  # (iter() returned, the last batch came)
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 2.5 or (len(judged()) < 5
+                                                 and time.monotonic() - start < 30):
+            it = iter(loader)
+            known = last = time.monotonic()
+            for _ in it:
+                last = time.monotonic()
+            windows.append((known, last))
+            del it
+    finally:
+        done.set()
+        poller.join()
+    inside = judged()
+    assert len(windows) >= 3 and len(inside) >= 5, (len(windows), readings, windows)
+    assert inside == [2.0] * len(inside), (inside, readings, windows)
     writer.close()  # the last snapshot, as at exit
     assert _workers_active_in(writer.path) == 0
