@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,8 +17,14 @@ IN_CI = os.environ.get("CI") == "true"
 
 
 @pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
+def registry() -> Iterator[CollectorRegistry]:
+    """A registry of the test's own; its hub's snapshot threads and servers are stopped
+    after the test, so that they do not load the machine for every later test."""
+    reg = CollectorRegistry()
+    yield reg
+    hub = sys.modules.get("instrument.hub")  # none without the instrumentation imported
+    if hub is not None:
+        hub.hub_for(reg).close()
 
 
 def require_binary(name: str) -> str:

@@ -149,10 +149,12 @@ def refreshes(loader: Any, n: int = 3) -> None:
 
 
 def wait_for_write(writer: Any, timeout: float = 5.0) -> bool:
-    """Blocks until a SnapshotWriter completes one more write."""
-    target = writer.writes + 1
-    writer.wake()
-    return bool(deadline_poll(lambda: writer.writes >= target, timeout, 0.01))
+    """Blocks until a SnapshotWriter completes a write begun after this call (one under
+    way took its figures before: it does not count) and says whether it wrote."""
+    written = writer.writes
+    if not writer.wait_for(writer.ask(), timeout):
+        return False
+    return bool(writer.writes > written)
 
 
 def deadline_poll(check: Any, timeout: float, interval: float = 0.05) -> Any:

@@ -177,19 +177,23 @@ def test_metrics_without_loaders_exit_two(served: tuple[CollectorRegistry, str])
 
 def test_the_doctor_reads_a_time_range_from_prometheus(
         served: tuple[CollectorRegistry, str], prometheus: Prometheus) -> None:
+    """The whole chain for --prometheus: a real loader with a worker, scraped by a real
+    Prometheus, read back as a range; the worker's time from /proc says why it is slow."""
     reg, url = served
-    loader = instrument.DataLoader(SleepDataset(64, 0.004), batch_size=2, name="ranged",
-                                   registry=reg)
+    loader = instrument.DataLoader(SleepDataset(64, 0.004), batch_size=2, num_workers=1,
+                                   persistent_workers=True, name="ranged", registry=reg)
     prometheus.add_target("doctor", url.removeprefix("http://").removesuffix("/metrics"))
     try:
-        def batches_seen(result: list[dict[str, Any]]) -> bool:
+        def seen(query: str) -> bool:
+            result = prometheus.query(query)
             return bool(result) and float(result[0]["value"][1]) > 0
 
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # train until Prometheus has a rate to show
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # train until Prometheus has rates to show
             train_for(loader, 1.0)
-            res = prometheus.query('increase(dataloader_batches_total{test="doctor"}[1m])')
-            if batches_seen(res):
+            if seen('increase(dataloader_batches_total{test="doctor"}[1m])') and seen(
+                    'increase(dataloader_worker_time_seconds_total'
+                    '{test="doctor",state="blocked"}[1m])'):
                 break
         train_for(loader, 2.0)
         result = subprocess.run(
@@ -201,6 +205,10 @@ def test_the_doctor_reads_a_time_range_from_prometheus(
     assert result.returncode == 1, result.stderr
     d = only(json.loads(result.stdout), "ranged")
     assert d["verdict"] == "input-bound"
+    # The worker sleeps in its dataset: blocked, not running, while the loop waits.
+    workers = d["workers"]
+    assert workers["bottleneck"] == "blocked", workers
+    assert workers["blocked_share"] > 0.5 and workers["rss_bytes"] > 0, workers
 
 
 def machine(storage: str = "nvme", cores: int = 8) -> Machine:

@@ -246,14 +246,15 @@ def test_a_live_run_is_read_twice_as_a_window(tmp_path: Path) -> None:
             f"{cat.BATCHES.name}{{" in p.read_text() for p in (tmp_path / "m").glob("*.prom")),
             timeout=60)
         assert wrote, "no snapshot with batches"
-        result = doctor("--metrics-dir", str(tmp_path / "m"), "--interval", "1",
+        # Reads 2.5 s apart: at least two of the writer's (one a second) fall between.
+        result = doctor("--metrics-dir", str(tmp_path / "m"), "--interval", "2.5",
                         "--format", "json")
     finally:
         assert finish(proc, stop, timeout=30) == 0
     report = as_json(result)
     figures = train_rank0(report)["figures"]
     assert report["whole_run"] is False
-    assert report["source"] == f"{tmp_path / 'm'}, 1 s between reads"
+    assert report["source"] == f"{tmp_path / 'm'}, 2.5 s between reads"
     assert figures["batches"] > 0 and 0.9 < figures["window_seconds"] < 10
     assert train_rank0(report)["verdict"] == "input-bound"
 

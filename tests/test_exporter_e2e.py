@@ -26,6 +26,7 @@ def trainer_run(metrics_dir: Path) -> None:
         for x, _ in loader:
             loader.to_device(x, "meta")
     assert wait_for_write(hub_for(reg).write_snapshots(str(metrics_dir)))
+    hub_for(reg).close()  # no thread left writing for the rest of the test run
 
 
 def test_a_real_runs_metrics_reach_prometheus_through_the_sidecar(

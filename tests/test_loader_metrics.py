@@ -29,7 +29,8 @@ def test_fetch_time_sum_matches_a_dataset_that_sleeps_a_known_time(
     truth = delay * batch * batches
     fetch = value(registry, cat.TIME.name + "_sum", **FETCH)
     assert fetch is not None
-    assert abs(fetch - truth) / truth < 0.10, (fetch, truth)
+    # Sleeps never end early; a loaded machine's interpreter lock can end them late.
+    assert truth * 0.99 < fetch < truth * 1.5, (fetch, truth)
     assert value(registry, cat.TIME.name + "_count", **FETCH) == batches
 
 
@@ -42,7 +43,7 @@ def test_step_time_is_the_time_spent_between_batches(registry: CollectorRegistry
     total = value(registry, cat.STEP.name + "_sum", **L)
     # The sleep after the last batch is not between two batches.
     truth = step * (batches - 1)
-    assert total is not None and abs(total - truth) / truth < 0.10, (total, truth)
+    assert total is not None and truth * 0.99 < total < truth * 1.3, (total, truth)
     assert value(registry, cat.STEP.name + "_count", **L) == batches - 1
     fetch = value(registry, cat.TIME.name + "_sum", **FETCH)
     assert fetch is not None and fetch < truth / 5
@@ -66,7 +67,7 @@ def test_first_batch_time_includes_the_wait_for_the_first_batch(
     for _ in loader:
         pass
     first = value(registry, cat.FIRST_BATCH.name + "_sum", **L)
-    assert first is not None and 0.1 <= first < 0.15, first
+    assert first is not None and 0.1 <= first < 0.2, first
     bucket = value(registry, cat.FIRST_BATCH.name + "_bucket", **L, le="0.25")
     assert bucket == 1
 

@@ -44,7 +44,7 @@ def site() -> str:
     return at(caller)
 
 
-def snapshot_value(name: str, loader: str, deadline_s: float = 5.0, at_least: float = 0.0
+def snapshot_value(name: str, loader: str, deadline_s: float = 15.0, at_least: float = 0.0
                    ) -> float | None:
     """A loader's sample in this process's own snapshot file once it reaches `at_least`."""
     directory = os.environ.get("DATALOADER_EXPORTER_DIR", "")
