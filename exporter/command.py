@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 
 from exporter import __version__, config
 from exporter.collectors.trainer import TrainerCollector
-from exporter.http import serve
+from exporter.http import ServerHandle, serve
+from exporter.loadersettings import log_name
 from exporter.sources import attach, system_sources
 
 log = logging.getLogger("exporter")
@@ -32,11 +33,22 @@ def run(args: argparse.Namespace) -> int:
     return run_serve(args, getattr(args, "unknown_flags", []))
 
 
-def _fail(problems: Sequence[str]) -> int:
-    for p in problems:
-        print(f"dataloader-exporter: error: {p}", file=sys.stderr)
-    print("dataloader-exporter: see `dataloader-exporter serve --help`", file=sys.stderr)
+def _fail(problems: Sequence[str], hint: str = " (see `dataloader-exporter serve --help`)"
+          ) -> int:
+    """One line per problem on stderr, the last with the hint; exit status 2."""
+    for i, p in enumerate(problems, 1):
+        print(f"dataloader-exporter: error: {p}{hint if i == len(problems) else ''}",
+              file=sys.stderr)
     return 2
+
+
+def bound_address(handle: ServerHandle) -> str:
+    """The address a server is bound to, as a log line says it: a wildcard address is
+    named as such (every IPv4 or IPv6 interface), never as the loopback a client would use."""
+    host = f"[{handle.host}]" if ":" in handle.host else handle.host
+    address = f"{handle.scheme}://{host}:{handle.port}"
+    wildcard = {"0.0.0.0": " (every IPv4 interface)", "::": " (every IPv6 interface)"}
+    return address + wildcard.get(handle.host, "")  # asyncio binds '::' IPv6-only
 
 
 def run_serve(args: argparse.Namespace, unknown: Sequence[str]) -> int:
@@ -61,8 +73,9 @@ def run_serve(args: argparse.Namespace, unknown: Sequence[str]) -> int:
     supervisor = attach(registry, sources)
     try:
         handle = serve(registry, cfg.host, cfg.port, cfg.web, cfg.limits)
-    except OSError as e:
-        return _fail([f"cannot listen on {cfg.listen_address}: {e.strerror or e}"])
+    except (OSError, UnicodeError) as e:  # in use, cannot assign, no such name, ...
+        return _fail([f"cannot listen on {log_name(cfg.listen_address)}: "
+                      f"{getattr(e, 'strerror', None) or e}"], hint="")
     # One collection in the background right away: NVML's first init can take longer than
     # a scrape may wait, and the snapshot files get parsed before the first scrape.
     threading.Thread(target=lambda: list(registry.collect()), name="warm-up",
@@ -75,7 +88,7 @@ def run_serve(args: argparse.Namespace, unknown: Sequence[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     log.info("dataloader-exporter %s listening on %s (collectors: %s%s)", __version__,
-             handle.url, ", ".join(s.name for s in sources) or "none",
+             bound_address(handle), ", ".join(s.name for s in sources) or "none",
              "; basic auth" if cfg.web is not None and cfg.web.users else "")
     stop.wait()
     log.info("shutting down")

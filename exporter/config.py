@@ -8,7 +8,10 @@ reported together, in one message, before anything starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ipaddress
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -23,6 +26,7 @@ from exporter.collectors.trainer import (
 )
 from exporter.facts.shm import SHM_PATH
 from exporter.http import Limits
+from exporter.loadersettings import log_name
 
 if TYPE_CHECKING:
     from exporter.webconfig import WebConfig
@@ -128,35 +132,76 @@ def _parse_bool(text: str) -> bool | None:
     return None
 
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)?")
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)?")  # ASCII: float() reads '\u0663'
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+_MAX_DIGITS = 18  # a count or a duration longer than this is a typo (and int() of 100 kB is slow)
 
 
 def parse_seconds(text: str) -> float:
     """'30', '30s', '1.5m', '500ms' -> seconds (positive, finite); ValueError otherwise."""
     m = _DURATION.fullmatch(text.strip())
-    if m is None:
+    if m is None or len(m.group(1)) > _MAX_DIGITS:
         raise ValueError(text)
     seconds = float(m.group(1)) * _UNIT[m.group(2)]
-    if not seconds > 0:
+    if not 0 < seconds < math.inf:
         raise ValueError(text)
     return seconds
 
 
+_LABEL = re.compile(r"[A-Za-z0-9_-]{1,63}")  # a DNS label (RFC 1035), '_' as /etc/hosts allows
+_MAX_NAME = 253  # a DNS name's longest text form: 255 octets on the wire (RFC 1035 2.3.4)
+
+
+def _host_problem(host: str, bracketed: bool) -> str | None:
+    """Why a listen host cannot be an address or a host name; None when it can.
+
+    Checked here so that the resolver (whose IDNA codec raises UnicodeError for a label
+    over 63 characters) only ever sees names it can look up; whether the name resolves is
+    the bind's to say.
+    """
+    if bracketed:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return "brackets hold an IPv6 address only"
+        return None
+    if not host.isascii():
+        return "the host must be ASCII (write an internationalized name in its xn-- form)"
+    with contextlib.suppress(ValueError):
+        ipaddress.IPv4Address(host)
+        return None
+    name = host.removesuffix(".")
+    if len(name) > _MAX_NAME:
+        return f"the host name is {len(name)} characters, over {_MAX_NAME}"
+    for label in name.split("."):
+        if len(label) > 63:
+            return f"the host label {log_name(label)!r} is longer than 63 characters"
+        if not _LABEL.fullmatch(label):
+            return (f"bad host {log_name(host)!r}: each dot-separated label is 1 to 63 "
+                    "letters, digits, '-' or '_'")
+    return None
+
+
 def parse_address(text: str) -> tuple[str, int]:
-    """'[HOST]:PORT' (IPv6 in brackets) -> (host, port); raises ValueError when bad."""
+    """'[HOST]:PORT' (IPv6 in brackets) -> (host, port); raises ValueError when bad.
+
+    An empty host is every IPv4 interface; '[::]' every IPv6 one."""
     text = text.strip()
+    shown = repr(log_name(text))
     host, sep, port_text = text.rpartition(":")
     if not sep:
-        raise ValueError(f"listen address {text!r} is not [HOST]:PORT")
-    if host.startswith("[") and host.endswith("]"):
+        raise ValueError(f"listen address {shown} is not [HOST]:PORT")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
         host = host[1:-1]
     elif ":" in host:
-        raise ValueError(f"listen address {text!r}: put an IPv6 host in brackets")
-    if not (port_text.isascii() and port_text.isdecimal()) or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"listen address {text!r}: port must be 0-65535")
-    if any(c.isspace() for c in host):
-        raise ValueError(f"listen address {text!r}: bad host")
+        raise ValueError(f"listen address {shown}: put an IPv6 host in brackets")
+    if not (port_text.isascii() and port_text.isdecimal()) or len(port_text) > 5 or not (
+            0 <= int(port_text) <= 65535):
+        raise ValueError(f"listen address {shown}: port must be 0-65535")
+    problem = _host_problem(host, bracketed) if host or bracketed else None
+    if problem is not None:
+        raise ValueError(f"listen address {shown}: {problem}")
     return host or "0.0.0.0", int(port_text)
 
 
@@ -183,16 +228,19 @@ def build(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
         try:
             return parse_seconds(text)
         except ValueError:
-            problems.append(f"{flag} {text!r}: must be a positive duration (30, 30s, 2m)")
+            problems.append(f"{flag} {log_name(text)!r}: must be a positive duration (30, 30s, "
+                            "2m)")
             return default
 
     def count(attr: str, var: str, flag: str, default: int) -> int:
         text = pick(attr, var)
         if text is None:
             return default
-        if text.strip().isdecimal() and int(text) > 0:
-            return int(text)
-        problems.append(f"{flag} {text!r}: must be a positive whole number")
+        digits = text.strip()
+        if digits.isascii() and digits.isdecimal() and len(digits) <= _MAX_DIGITS and int(
+                digits) > 0:
+            return int(digits)
+        problems.append(f"{flag} {log_name(text)!r}: must be a positive whole number")
         return default
 
     stale_after = seconds("stale_after", "STALE_AFTER", "--stale-after", DEFAULT_STALE_AFTER)
@@ -232,7 +280,7 @@ def build(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
 
     level = (pick("log_level", "LOG_LEVEL") or "info").lower()
     if level not in LOG_LEVELS:
-        problems.append(f"--log.level {level!r}: must be one of {', '.join(LOG_LEVELS)}")
+        problems.append(f"--log.level {log_name(level)!r}: must be one of {', '.join(LOG_LEVELS)}")
 
     metrics_dir = getattr(args, "metrics_dir", None) or env.get(ENV_DIR) or None
     shm_path = pick("shm_path", "SHM_PATH") or SHM_PATH

@@ -29,10 +29,16 @@ SETTINGS: dict[str, tuple[type, int]] = {
     "persistent_workers": (bool, 0),
     "pin_memory": (bool, 0),
 }
+# The largest integer each takes: a guard against typos and overflow, not advice. 1024
+# worker processes is more than the hardware threads of any one host today (two 192-core
+# sockets give 768), and 1024 batches queued per worker is 512 times torch's default of 2.
+MAXIMA: dict[str, int] = {"num_workers": 1024, "prefetch_factor": 1024}
 NEEDS_WORKERS = ("prefetch_factor", "persistent_workers")  # torch refuses them without workers
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]+$")  # what a loader label may be (names have no '=' or ',')
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
+_WHOLE = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() also reads '\u0663' and '\uff18'
+LOG_NAME_CHARS = 60  # a longer name is cut to this many characters in log lines
 
 
 class SettingsError(ValueError):
@@ -46,7 +52,16 @@ class Setting:
     value: Value
 
 
-def _value(kind: type, least: int, raw: str) -> Value:
+def log_name(name: str) -> str:
+    """A loader name for a log line, cut to LOG_NAME_CHARS and its length said: a name (or
+    any text from the environment) can be 100 kB; a log line should not be. Labels keep
+    the whole name."""
+    if len(name) <= LOG_NAME_CHARS:
+        return name
+    return f"{name[:LOG_NAME_CHARS]}\u2026({len(name)} chars)"
+
+
+def _value(kind: type, least: int, most: int | None, raw: str) -> Value:
     text = raw.strip().lower()
     if kind is bool:
         if text in _TRUE:
@@ -54,11 +69,16 @@ def _value(kind: type, least: int, raw: str) -> Value:
         if text in _FALSE:
             return False
         raise ValueError("expected true or false")
-    if not re.fullmatch(r"[+-]?\d+", text):
-        raise ValueError("expected a whole number")
-    number = int(text)
+    if not _WHOLE.fullmatch(text):
+        raise ValueError("expected a whole number (digits 0-9)")
+    if len(text.lstrip("+-").lstrip("0")) > 9:  # int() of 100 kB of digits: slow, refused
+        number = -(10**9) if text.startswith("-") else 10**9
+    else:
+        number = int(text)
     if number < least:
         raise ValueError(f"must be {least} or more")
+    if most is not None and number > most:
+        raise ValueError(f"must be {most} or less")
     return number
 
 
@@ -70,32 +90,34 @@ def parse(line: str) -> tuple[Setting, ...]:
         if not item:
             continue
         key, sep, raw = item.partition("=")
+        shown = repr(log_name(item))
         loader, dot, name = key.strip().rpartition(".")
         if not sep or not dot or not loader:
-            problems.append(f"{item!r}: expected LOADER.SETTING=VALUE (LOADER may be {ANY})")
+            problems.append(f"{shown}: expected LOADER.SETTING=VALUE (LOADER may be {ANY})")
             continue
         if loader != ANY and not _NAME.match(loader):
-            problems.append(f"{item!r}: {loader!r} is not a loader name")
+            problems.append(f"{shown}: {log_name(loader)!r} is not a loader name")
             continue
         if name not in SETTINGS:
-            problems.append(f"{item!r}: unknown setting {name!r} (known: "
+            problems.append(f"{shown}: unknown setting {log_name(name)!r} (known: "
                             f"{', '.join(SETTINGS)})")
             continue
         kind, least = SETTINGS[name]
         try:
-            settings.append(Setting(loader, name, _value(kind, least, raw)))
+            settings.append(Setting(loader, name, _value(kind, least, MAXIMA.get(name), raw)))
         except ValueError as e:
-            problems.append(f"{item!r}: {name} {e}")
+            problems.append(f"{shown}: {name} {e}")
     seen: dict[tuple[str, str], Value] = {}
     for s in settings:
         if seen.setdefault((s.loader, s.name), s.value) != s.value:
-            problems.append(f"{s.loader}.{s.name} is given twice, with different values")
+            problems.append(f"{log_name(s.loader)}.{s.name} is given twice, with different "
+                            "values")
     for loader in {s.loader for s in settings}:
         own = {s.name: s.value for s in settings if s.loader == loader}
         if own.get("num_workers") == 0:
             clash = [n for n in NEEDS_WORKERS if own.get(n) not in (None, False)]
             if clash:
-                problems.append(f"{loader}: {' and '.join(clash)} need workers, but "
+                problems.append(f"{log_name(loader)}: {' and '.join(clash)} need workers, but "
                                 "num_workers=0")
     if problems:
         raise SettingsError(f"{ENV_SETTINGS}: " + "; ".join(problems))

@@ -25,6 +25,7 @@ from exporter.loadersettings import (
     SETTINGS,
     Setting,
     for_loader,
+    log_name,
     named_loaders,
     parse,
 )
@@ -137,13 +138,13 @@ def apply(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
         value = wanted[key]
         if key in NEEDS_WORKERS and not workers and value is not False:
             say_once(f"skip:{name}:{key}", "dataloader %r: %s.%s=%s not applied: the "
-                     "loader has no workers", name, ENV_SETTINGS, key, value)
+                     "loader has no workers", log_name(name), ENV_SETTINGS, key, value)
             continue
         before = current(key)
         where[key] = value
         if before != value:
             say_once(f"set:{name}:{key}:{value}", "dataloader %r: %s=%s from %s (was %s)",
-                     name, key, value, ENV_SETTINGS, before)
+                     log_name(name), key, value, ENV_SETTINGS, before)
     if here and not workers:
         for key in NEEDS_WORKERS:
             where = place(key)
@@ -151,7 +152,7 @@ def apply(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
             if where is not None and current(key) not in (default, None, False):
                 where[key] = default
                 say_once(f"drop:{name}:{key}", "dataloader %r: %s dropped: %s sets "
-                         "num_workers=0", name, key, ENV_SETTINGS)
+                         "num_workers=0", log_name(name), key, ENV_SETTINGS)
     return bound.args[1:], bound.kwargs, left
 
 
@@ -159,4 +160,4 @@ def not_applied(name: str, cls: type, keys: tuple[str, ...]) -> None:
     """One line for settings a loader class takes no way to pass."""
     say_once(f"left:{name}:{','.join(keys)}", "dataloader %r: %s for %s not applied: %s."
              "__init__ takes no such argument and does not pass it to torch's DataLoader",
-             name, ENV_SETTINGS, ", ".join(keys), cls.__qualname__)
+             log_name(name), ENV_SETTINGS, ", ".join(keys), cls.__qualname__)

@@ -26,6 +26,7 @@ from torch.utils.data import default_collate
 
 from exporter.config import ENV_DIR
 from exporter.facts.shm import SHM_PATH, shm_space
+from exporter.loadersettings import log_name
 
 from . import compat, envsettings, failures, zerocode
 from .batch import batch_len, batch_nbytes, collated_len, item_len, loader_len, move
@@ -83,7 +84,7 @@ class _Instruments:
                 self.hub.serve(port)
             except OSError as e:
                 log.warning("dataloader %r: cannot serve metrics on port %s: %s "
-                            "(training goes on)", name, port, e)
+                            "(training goes on)", log_name(name), port, e)
 
     @property
     def rec(self) -> LoaderRecorder:
@@ -103,7 +104,7 @@ class _Instruments:
         who = f" (worker pid {pid})" if pid else ""
         text = failures.fix(cause, seen, self.config, max(rec.batch_bytes, 0),
                             local_world_size(), shm_space(SHM_PATH), rss)
-        log.warning("dataloader %r%s: %s", self.name, who, text)
+        log.warning("dataloader %r%s: %s", log_name(self.name), who, text)
 
     def start_epoch(self, loader: Any) -> None:
         """At iter(): the loader's settings. The epoch itself starts at its first batch (a
@@ -274,8 +275,8 @@ def instrumented_iter(loader: Any, dle: _Instruments, torch_iter: Callable[[Any]
     try:
         plan = _Plan(loader, dle, quiet)
     except Exception:
-        log.warning("dataloader %r: cannot instrument %s; it runs unmeasured", dle.name,
-                    type(loader).__qualname__, exc_info=True)
+        log.warning("dataloader %r: cannot instrument %s; it runs unmeasured",
+                    log_name(dle.name), type(loader).__qualname__, exc_info=True)
         return torch_iter(loader)
     it = _with_collate(loader, plan.collate, torch_iter) if plan.collate else torch_iter(loader)
     if torch_iter is not zerocode.TORCH_ITER and inspect.isgenerator(it):
@@ -539,7 +540,7 @@ class WrappedLoader:
             if _loader_like(result):
                 envsettings.say_once(f"chain:{self._dle.name}:{name}", "dataloader %r: %s.%s() "
                                   "returned a %s, which is not measured: pass it to "
-                                  "instrument.wrap() to measure it", self._dle.name,
+                                  "instrument.wrap() to measure it", log_name(self._dle.name),
                                   type(self.loader).__name__, name, type(result).__name__)
             return result
 

@@ -15,6 +15,7 @@ from typing import Any
 from diagnosis import advisor
 from diagnosis.doctor import SHM_SAFETY, shm_in_flight, shm_size_advice
 from exporter.facts.shm import SHM_PATH, ShmSpace, shm_space
+from exporter.loadersettings import log_name
 
 from .env import human_bytes, local_world_size
 
@@ -94,7 +95,7 @@ class Preflight:
     def _warn(self, key: str, msg: str, *args: object) -> None:
         if key not in self._said:
             self._said.add(key)
-            log.warning("dataloader %r: " + msg, self.name, *args)
+            log.warning("dataloader %r: " + msg, log_name(self.name), *args)
 
     def on_iter(self, cfg: LoaderConfig, epoch: int) -> None:
         """At each iter(): the config line (first time) and config-only advice."""
@@ -103,7 +104,7 @@ class Preflight:
             shm = self._shm_probe(self.shm_path)
             log.info("dataloader %r: num_workers=%s prefetch_factor=%s pin_memory=%s "
                      "persistent_workers=%s batch_size=%s; %s, local ranks=%d, %s "
-                     "size=%s", self.name, cfg.num_workers, cfg.prefetch_factor,
+                     "size=%s", log_name(self.name), cfg.num_workers, cfg.prefetch_factor,
                      cfg.pin_memory, cfg.persistent_workers, cfg.batch_size,
                      self._cpu().describe(), self._local_ranks(), self.shm_path,
                      human_bytes(shm.size) if shm else "unknown")

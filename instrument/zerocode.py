@@ -47,7 +47,7 @@ from typing import Any
 
 import torch.utils.data
 
-from exporter.loadersettings import ENV_SETTINGS
+from exporter.loadersettings import ENV_SETTINGS, log_name
 
 from . import envsettings
 from .naming import built_by_framework, class_name, role_from_stack, site_name
@@ -515,28 +515,30 @@ def _at_exit() -> None:
                     " is a generator that does not go through torch's DataLoader.__iter__, "
                     "which neither instrument.wrap() of the loader nor zero-code mode can "
                     "time; to measure it, time the loop's own iterator with "
-                    "instrument.wrap(iter(loader), name=...) each epoch", name,
+                    "instrument.wrap(iter(loader), name=...) each epoch", log_name(name),
                     odd[0].__qualname__)
             elif _auto:  # zero-code mode sees every torch loader iterate: nothing did
                 envsettings.say_once("unused:" + name, "dataloader %r was built but never "
-                                     "iterated in this process", name)
+                                     "iterated in this process", log_name(name))
             else:
                 envsettings.say_once(
                     "unused:" + name, "dataloader %r was built but never iterated: a "
                     "framework probably rebuilt it and iterated its own copy, which was "
                     "not instrumented. Run the program under `dataloader-exporter run -- "
                     "...` (or set DATALOADER_EXPORTER_AUTO=1) to instrument every loader "
-                    "without code changes.", name)
+                    "without code changes.", log_name(name))
         for name, cls in unmeasured():
             envsettings.say_once(
                 "unused:" + name, "dataloader %r: no batch of it was measured. %s.__iter__ is "
                 "a generator that does not go through torch's DataLoader.__iter__, which "
                 "zero-code mode cannot time; to measure it, time the loop's own iterator with "
-                "instrument.wrap(iter(loader), name=...) each epoch", name, cls.__qualname__)
+                "instrument.wrap(iter(loader), name=...) each epoch", log_name(name),
+                cls.__qualname__)
         for name in sorted(envsettings.unmatched()):
             envsettings.say_once("unmatched:" + name, "%s names loader %r, but no loader "
                                  "of that name was built here (loaders built: %s)",
-                                 ENV_SETTINGS, name, ", ".join(envsettings.built()) or "none")
+                                 ENV_SETTINGS, log_name(name),
+                                 ", ".join(map(log_name, envsettings.built())) or "none")
     except Exception:
         log.debug("exit report failed", exc_info=True)
 
