@@ -11,6 +11,7 @@ import contextlib
 import logging
 import ssl
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, cast
 
@@ -54,6 +55,7 @@ NEW, IDLE, BUSY, DRAINING = "new", "idle", "busy", "draining"
 _GRACE = 0.5
 WAITERS = 16  # newcomers waiting for a slot while none can be evicted; others refused
 _POLL = 0.05  # how often a waiting newcomer looks for a slot
+_PEERS = 1024  # peers whose next turn is remembered (pacing)
 
 
 class Conn:
@@ -94,6 +96,10 @@ class Server:
                                                                     if web else ()))
         self.log = LogOnce(log, logging.ERROR)
         self.waiting = 0  # newcomers waiting for a slot
+        # Pacing (Limits.peer_interval, answers_per_second): when each peer, and anyone,
+        # may next be answered; peers bounded, the longest unseen dropped first.
+        self.peer_next: OrderedDict[str, float] = OrderedDict()
+        self.next_answer = 0.0
 
     # --- connections --------------------------------------------------------------
     def _victim(self) -> Conn | None:
@@ -190,6 +196,7 @@ class Server:
             if request is None:
                 return True
             conn.set(BUSY)
+            await self._pace(_peer(writer))
             keep = await self._answer(conn, request, writer)
             if not keep:
                 return True
@@ -216,6 +223,27 @@ class Server:
         return parse_head(first + rest)
 
     # --- answers --------------------------------------------------------------------
+    async def _pace(self, peer: str) -> None:
+        """Waits for this request's turn: one answer per peer every peer_interval and
+        answers_per_second in all (0: no bound). Waiting costs the process nothing, so a
+        client scraping in a tight loop, or fifty at once, get their answers later
+        instead of taking the interpreter lock from the training loop (in-process)."""
+        gap, rate = self.limits.peer_interval, self.limits.answers_per_second
+        if not gap and not rate:
+            return
+        now = time.monotonic()
+        turn = max(now, self.peer_next.get(peer, 0.0)) if gap else now
+        if rate:
+            turn = max(turn, self.next_answer)
+            self.next_answer = turn + 1.0 / rate
+        if gap:
+            self.peer_next[peer] = turn + gap
+            self.peer_next.move_to_end(peer)
+            while len(self.peer_next) > _PEERS:
+                self.peer_next.popitem(last=False)
+        if turn > now:
+            await asyncio.sleep(turn - now)
+
     async def _answer(self, conn: Conn, request: Request,
                       writer: asyncio.StreamWriter) -> bool:
         keep, head_only = request.keep_alive, request.method == "HEAD"

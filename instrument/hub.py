@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, write_to_textfile
 
 from exporter.collectors.supervisor import Supervisor
 from exporter.facts.shm import SHM_PATH
-from exporter.http import ServerHandle
+from exporter.http import IN_PROCESS, ServerHandle
 from exporter.http import serve as http_serve
 from exporter.sources import attach, system_sources
 
@@ -120,7 +120,7 @@ class Hub:
                     from exporter import webconfig
 
                     web = webconfig.load(web_config_file)
-                handle = http_serve(self.registry, addr, port, web)
+                handle = http_serve(self.registry, addr, port, web, IN_PROCESS)
                 self._servers[(addr, handle.port)] = handle
             if system_metrics and self._system is None:
                 self._system = attach(self.registry, system_sources(shm_path))

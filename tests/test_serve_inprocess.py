@@ -54,3 +54,57 @@ def test_a_taken_port_is_logged_and_the_loader_still_works(
         assert any("cannot serve metrics" in r.getMessage() for r in caplog.records)
     finally:
         handle.shutdown()
+
+
+def test_a_client_in_a_tight_loop_waits_its_turn_and_others_are_answered_at_once(
+        registry: CollectorRegistry) -> None:
+    """In-process pacing (exporter.http.IN_PROCESS): a peer is answered once per
+    peer_interval however fast it asks (waiting costs the training loop nothing), and
+    another peer scraping once in a while is answered without waiting for it."""
+    import http.client
+    import threading
+    import time
+
+    from exporter.http import IN_PROCESS
+
+    handle = instrument.serve(0, addr="127.0.0.1", registry=registry)
+    answered = 0
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def tight() -> None:  # keep-alive, no pause: a `watch -n0 curl`
+        nonlocal answered
+        conn = http.client.HTTPConnection("127.0.0.1", handle.port, timeout=30,
+                                          source_address=("127.0.0.1", 0))
+        while not stop.is_set():
+            conn.request("GET", "/metrics")
+            conn.getresponse().read()
+            answered += 1
+        conn.close()
+
+    def occasional() -> None:  # another address, every half second: Prometheus
+        while not stop.wait(0.5):
+            conn = http.client.HTTPConnection("127.0.0.1", handle.port, timeout=30,
+                                              source_address=("127.0.0.2", 0))
+            start = time.monotonic()
+            conn.request("GET", "/metrics")
+            assert conn.getresponse().status == 200
+            latencies.append(time.monotonic() - start)
+            conn.close()
+
+    try:
+        threads = [threading.Thread(target=tight), threading.Thread(target=occasional)]
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        time.sleep(3.0)
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        elapsed = time.monotonic() - start
+    finally:
+        handle.shutdown()
+    # One answer per peer_interval (plus the first, and the one under way at the stop).
+    assert 3 <= answered <= elapsed / IN_PROCESS.peer_interval + 2, (answered, elapsed)
+    # Never behind the tight client's queue: at most one turn of the global rate.
+    assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
