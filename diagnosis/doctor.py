@@ -39,8 +39,8 @@ VERDICTS = {"input-bound": "INPUT-BOUND", "moderately input-bound": "MODERATELY 
 
 @dataclass
 class Finding:
-    # epoch-start-stall, lost-workers, failure-<cause>, shm-risk, host-memory-risk, swap,
-    # workers-swap, input-straggler, waits-for-straggler
+    # epoch-start-stall, ended-abruptly, lost-workers, failure-<cause>, shm-risk,
+    # host-memory-risk, swap, workers-swap, input-straggler, waits-for-straggler
     kind: str
     message: str
 
@@ -183,6 +183,18 @@ def _shm_total(s: LoaderSignals, machine: Machine) -> float | None:
     return float(trainer) if trainer else machine.shm_size
 
 
+def _abrupt(s: LoaderSignals) -> str:
+    """An ended run whose last snapshot has no normal exit: what that means."""
+    workers = (f"; {s.workers_active:g} workers were alive at its last snapshot"
+               if s.workers_active else "")
+    causes = "" if not s.failures or not any(s.failures.values()) else (
+        "; the failures below say what the trainer saw")
+    return (f"rank {s.rank}: the run ended without a normal exit: its last snapshot has no "
+            "exit time (the process's exit handlers never ran), so it was killed (SIGKILL: "
+            "the OOM killer, the scheduler, a node going away), crashed in native code, or "
+            f"froze, after {s.batches:g} batches{workers}{causes}")
+
+
 def _findings(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
               local_ranks: int) -> None:
     if (s.first_batch_mean is not None and s.first_batch_mean >= FIRST_BATCH_MIN and
@@ -191,6 +203,8 @@ def _findings(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
         d.findings.append(Finding("epoch-start-stall", (
             f"epoch-start stall: the first batch of an epoch takes {s.first_batch_mean:.2f} s "
             f"against a median wait of {ms(s.median_wait)} (x{ratio:.0f})")))
+    if s.ended and s.exited_at is None and s.batches > 0:
+        d.findings.append(Finding("ended-abruptly", _abrupt(s)))
     if s.workers_lost > 0:  # counted only for workers that died while still needed
         d.findings.append(Finding("lost-workers", failures.lost_message(s)))
     in_flight = (shm_in_flight(s.batch_bytes, cfg.prefetch, cfg.workers, local_ranks)

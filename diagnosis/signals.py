@@ -171,6 +171,10 @@ class LoaderSignals:
     cgroup_usage: float | None = None
     workers: WorkerSignals = field(default_factory=WorkerSignals)
     failures: dict[str, float] | None = None  # cause -> total; None: causes not exported
+    # The run has ended (its files are no longer written: read whole), and when its
+    # process exited normally (None: its last snapshot has no exit, or it is live).
+    ended: bool = False
+    exited_at: float | None = None
 
     @property
     def stall_share(self) -> float | None:
@@ -279,4 +283,6 @@ def _signals(w: Window, loader: str, rank: str) -> LoaderSignals:
     s.cgroup_usage = _get(last, cat.CGROUP_MEMORY_USAGE.name)
     s.workers = read_workers(w.increase, w.latest, w.change, lr)
     s.failures = read_failures(last, lr)
+    s.ended = w.is_whole_run
+    s.exited_at = _get(last, cat.EXITED.name, **lr)
     return s

@@ -103,6 +103,12 @@ LAST_BATCH = _m(
     "dataloader_last_batch_timestamp_seconds", GAUGE,
     "Unix time at which the loader last handed out a batch, for hang detection.",
     "seconds", LOADER_LABELS, TRAINER)
+EXITED = _m(
+    "dataloader_exit_timestamp_seconds", GAUGE,
+    "Unix time at which the training process exited normally (its exit handlers ran and "
+    "wrote this, its last snapshot); absent while it runs, and after a kill or a crash "
+    "that ran no exit handler.",
+    "seconds", LOADER_LABELS, TRAINER)
 WORKERS_CONFIGURED = _m(
     "dataloader_workers_configured", GAUGE,
     "Worker processes the loader is configured with (num_workers).",

@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, write_to_textfile
 
@@ -76,9 +76,18 @@ class Hub:
         with self._lock:
             writer = self._writers.get(key)
             if writer is None:
-                writer = self._writers[key] = SnapshotWriter(self._trainer_only, key, interval)
+                writer = self._writers[key] = SnapshotWriter(self._trainer_only, key, interval,
+                                                             on_exit=self.exiting)
                 writer.start()
             return writer
+
+    def exiting(self) -> None:
+        """The interpreter exits normally (exit handlers run): the last snapshots say so
+        (dataloader_exit_timestamp_seconds), which a killed process's never do."""
+        now = time.time()
+        for rec in self.recorders():
+            if rec.exited_at is None:
+                rec.exited_at = now
 
     def flush_now(self) -> None:
         """Asks every snapshot writer for a write soon (the end of an epoch)."""
@@ -203,8 +212,10 @@ class SnapshotWriter:
 
     PROMPT = 1.0
 
-    def __init__(self, registry: CollectorRegistry, directory: str, interval: float) -> None:
+    def __init__(self, registry: CollectorRegistry, directory: str, interval: float,
+                 on_exit: Callable[[], None] | None = None) -> None:
         self.registry = registry
+        self.on_exit = on_exit  # called at interpreter exit, before the last write
         self.directory = directory
         self.interval = interval
         self.path = snapshot_path(directory)
@@ -226,7 +237,15 @@ class SnapshotWriter:
 
     def start(self) -> None:
         self._thread.start()
-        atexit.register(self.close)
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        if self.on_exit is not None and os.getpid() == self._pid:
+            try:
+                self.on_exit()
+            except Exception:  # the last snapshot matters more
+                log.debug("exit hook failed", exc_info=True)
+        self.close()
 
     def wake(self) -> None:
         """Asks for a write within PROMPT seconds."""
@@ -250,7 +269,7 @@ class SnapshotWriter:
 
     def close(self) -> None:
         """Stops the thread and writes one last snapshot."""
-        atexit.unregister(self.close)
+        atexit.unregister(self._at_exit)
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:

@@ -88,6 +88,7 @@ class LoaderRecorder:
         self.pending_events: deque[tuple[Any, Any]] = deque()
         self.config: dict[str, str] = {}
         self.gpu_uuid = ""  # the GPU batches go to (dataloader_info), "" until known
+        self.exited_at: float | None = None  # Unix time of a normal exit (hub.py)
         self.workers = WorkerTracker()
         # Reader side.
         self.lock = threading.Lock()
@@ -169,6 +170,7 @@ def _families(recs: list[LoaderRecorder]) -> Iterator[Family]:
         (cat.EPOCHS, lambda r: r.epochs),
         (cat.TRANSFER_BYTES, lambda r: r.transfer_bytes),
         (cat.LAST_BATCH, LoaderRecorder.last_batch_unix),
+        (cat.EXITED, lambda r: r.exited_at),
         (cat.BATCH_BYTES, lambda r: r.batch_bytes if r.batch_bytes >= 0 else None),
         (cat.WORKERS_CONFIGURED, lambda r: _int(r.config.get("num_workers"))),
         (cat.WORKERS_ACTIVE, lambda r: r.workers.active),

@@ -342,3 +342,69 @@ def test_a_report_of_unknown_samples_says_unknown_and_null() -> None:
     as_dict = report.as_dict()
     assert as_dict["whole_run"] is True
     assert as_dict["loaders"][0]["figures"]["samples_per_second"] is None  # type: ignore[index]
+
+
+# A training script (fast samples, a 20 ms step, 2 persistent workers) that runs
+# until a stop file appears, then exits normally; or until it is killed.
+STEADY = """
+import sys, time
+from pathlib import Path
+import instrument
+from helpers import SleepDataset
+loader = instrument.DataLoader(SleepDataset(64), batch_size=4, num_workers=2,
+                               persistent_workers=True, name="train", metrics_dir=sys.argv[1])
+stop = Path(sys.argv[2])
+while not stop.exists():
+    for _ in loader:
+        time.sleep(0.02)
+        if stop.exists():
+            break
+"""
+
+
+def _steady(out: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    (out / "m").mkdir(parents=True)
+    stop = out / "stop"
+    with open(out / "train.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", STEADY, str(out / "m"), str(stop)],
+                                cwd=REPO, env={**os.environ, "PYTHONPATH": "tests:."},
+                                stdout=subprocess.DEVNULL, stderr=log)
+    # Under way: a snapshot with batches and both workers alive.
+    assert deadline_poll(lambda: any(
+        f'{cat.WORKERS_ACTIVE.name}{{loader="train",rank="0"}} 2.0' in p.read_text()
+        and f"{cat.BATCHES.name}{{" in p.read_text() for p in (out / "m").glob("*.prom")),
+        timeout=60), (out / "train.log").read_text()
+    return proc, stop
+
+
+def test_a_trainer_killed_mid_epoch_ended_abruptly_one_that_exited_did_not(
+        tmp_path: Path) -> None:
+    """The same run, ended two ways: killed mid-epoch (SIGKILL, as the OOM killer or a
+    scheduler does), its last snapshot has no exit time and the doctor says the run ended
+    abruptly (exit 1, never "healthy"); exited normally, its last snapshot has one and the
+    doctor finds nothing."""
+    killed, stop = _steady(tmp_path / "killed")
+    killed.kill()
+    killed.wait(timeout=30)
+    exited, stop = _steady(tmp_path / "exited")
+    stop.touch()
+    assert exited.wait(timeout=60) == 0, (tmp_path / "exited" / "train.log").read_text()
+    for run in ("killed", "exited"):
+        written_ago(tmp_path / run / "m", 60)
+    [last] = (tmp_path / "exited" / "m").glob("*.prom")
+    assert f'{cat.EXITED.name}{{loader="train",rank="0"}}' in last.read_text()
+
+    result = doctor("--metrics-dir", str(tmp_path / "killed" / "m"), "--format", "json")
+    assert result.returncode == 1, result.stderr
+    d = train_rank0(as_json(result))
+    [abrupt] = [f for f in d["findings"] if f["kind"] == "ended-abruptly"]
+    assert "without a normal exit" in abrupt["message"], abrupt
+    assert "2 workers were alive" in abrupt["message"], abrupt
+    text = doctor("--metrics-dir", str(tmp_path / "killed" / "m")).stdout
+    assert "ended without a normal exit" in text and "healthy" not in text.splitlines()[-1]
+
+    # (A short run: its first batch's wait for the workers may make it moderately
+    # input-bound; what matters is that it ended normally.)
+    report = as_json(doctor("--metrics-dir", str(tmp_path / "exited" / "m"), "--format",
+                            "json"))
+    assert not train_rank0(report)["findings"], report
