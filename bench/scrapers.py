@@ -98,9 +98,9 @@ def main() -> None:
     ratios: dict[str, list[float]] = {p: [] for p in PHASES}
     served: dict[str, list[float]] = {p: [] for p in PHASES}
     steps_for(1.0)  # warm up
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         rate: dict[str, float] = {}
-        for phase in PHASES:
+        for phase in PHASES if round_ % 2 == 0 else PHASES[::-1]:  # drift hits all alike
             threads, period = {"none": (0, 0.0), "1/s": (1, 1.0), "tight": (1, 0.0),
                                "50": (50, 0.0)}[phase]
             stop = ctx.Event()
