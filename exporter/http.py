@@ -17,8 +17,8 @@ thread each), with:
   (exporter.scrape.SingleFlight); bcrypt checks on their own thread, a few at a time
   (429 beyond), so wrong passwords cannot delay scrapes whose credentials are known;
 - in the training process (IN_PROCESS), pacing: one answer per peer every 0.2 s and 20
-  a second in all, later requests waiting their turn at no cost, so that clients cannot
-  take the interpreter lock from the training loop;
+  a second in all after a burst of 10, later requests waiting their turn at no cost, so
+  that clients cannot take the interpreter lock from the training loop;
 - GET and HEAD (headers, no body) on the three paths, 405 with ``Allow`` for other
   methods, 404 elsewhere; TLS and basic auth from a ``--web.config.file``.
 The same server runs in the sidecar and in-process. A factory returns a handle you can
@@ -61,16 +61,18 @@ class Limits:
     idle_timeout: float = 150.0  # above Prometheus's longest usual scrape interval (2 min)
     write_timeout: float = 30.0
     # Pacing (0: none): one answer per peer address every peer_interval seconds, and
-    # answers_per_second in all; a request early for its turn waits for it.
+    # answers_per_second in all, each after a burst of pace_burst at once; a request
+    # early for its turn waits for it.
     peer_interval: float = 0.0
     answers_per_second: float = 0.0
+    pace_burst: int = 10
 
 
 # In the training process the server shares the interpreter lock with the loop, so what
 # clients make it do is bounded: a scraper every second (Prometheus, `top`, the doctor)
 # is never held back, a client in a tight loop or fifty at once wait their turn.
 # Measured by bench/scrapers.py (README, Performance).
-IN_PROCESS = Limits(peer_interval=0.2, answers_per_second=20.0)
+IN_PROCESS = Limits(peer_interval=0.2, answers_per_second=20.0, pace_burst=10)
 
 
 def connection_cap(limits: Limits) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import ssl
 import time
@@ -31,6 +32,7 @@ from exporter.httpwire import (
 from exporter.scrape import SingleFlight, content_type
 
 if TYPE_CHECKING:
+    from exporter.basicauth import CheckQueue
     from exporter.http import Limits
     from exporter.webconfig import WebConfig
 
@@ -44,7 +46,7 @@ _INDEX = """<!doctype html>
 """
 _PATHS = ("/metrics", "/", "/-/healthy")
 _METHODS = ("GET", "HEAD")
-_BCRYPT_QUEUE = 16  # password checks queued at most, one per peer; more get 429
+_BCRYPT_QUEUE = 16  # password checks waiting at most, one per peer; more get 429
 _COLLECT_TIMEOUT = 30.0  # without Prometheus's X-Prometheus-Scrape-Timeout-Seconds
 
 
@@ -86,7 +88,10 @@ class Server:
         self.tls = web.ssl_context() if web is not None else None
         self.executor = ThreadPoolExecutor(4, thread_name_prefix="dataloader-exporter-scrape")
         self.bcrypt = ThreadPoolExecutor(1, thread_name_prefix="dataloader-exporter-auth")
-        self.bcrypt_peers: set[str] = set()  # peers with a password check queued or running
+        self.checks: CheckQueue | None = None  # password checks: fair, bounded
+        if web is not None:
+            from exporter.basicauth import CheckQueue  # with its bcrypt: loaded by web already
+            self.checks = CheckQueue(self.bcrypt, _BCRYPT_QUEUE)
         self.flight = SingleFlight(registry, self.executor)
         self.conns: set[Conn] = set()  # admitted, counted against the cap
         self.tracked: set[Conn] = set()  # every connection, waiting ones too (shutdown)
@@ -96,8 +101,8 @@ class Server:
                                                                     if web else ()))
         self.log = LogOnce(log, logging.ERROR)
         self.waiting = 0  # newcomers waiting for a slot
-        # Pacing (Limits.peer_interval, answers_per_second): when each peer, and anyone,
-        # may next be answered; peers bounded, the longest unseen dropped first.
+        # Pacing (Limits.peer_interval, answers_per_second): each peer's, and everyone's,
+        # theoretical arrival time; peers bounded, the longest unseen dropped first.
         self.peer_next: OrderedDict[str, float] = OrderedDict()
         self.next_answer = 0.0
 
@@ -224,23 +229,30 @@ class Server:
 
     # --- answers --------------------------------------------------------------------
     async def _pace(self, peer: str) -> None:
-        """Waits for this request's turn: one answer per peer every peer_interval and
-        answers_per_second in all (0: no bound). Waiting costs the process nothing, so a
-        client scraping in a tight loop, or fifty at once, get their answers later
-        instead of taking the interpreter lock from the training loop (in-process)."""
+        """Waits for this request's turn (Limits.peer_interval, answers_per_second, each
+        with a burst of pace_burst; 0: no bound), as a generic cell rate algorithm: a
+        request's turn is its peer's theoretical arrival time less the burst's allowance.
+        Waiting costs the process nothing, so a client scraping in a tight loop, or fifty
+        at once, get their answers later instead of taking the interpreter lock from the
+        training loop (in-process); a few requests at once (a retry, a browser) never
+        wait."""
         gap, rate = self.limits.peer_interval, self.limits.answers_per_second
         if not gap and not rate:
             return
         now = time.monotonic()
-        turn = max(now, self.peer_next.get(peer, 0.0)) if gap else now
-        if rate:
-            turn = max(turn, self.next_answer)
-            self.next_answer = turn + 1.0 / rate
+        burst = max(1, self.limits.pace_burst)
+        turn = now
         if gap:
-            self.peer_next[peer] = turn + gap
+            due = max(now, self.peer_next.get(peer, now))
+            turn = max(turn, due - (burst - 1) * gap)
+            self.peer_next[peer] = due + gap
             self.peer_next.move_to_end(peer)
             while len(self.peer_next) > _PEERS:
                 self.peer_next.popitem(last=False)
+        if rate:
+            due = max(now, self.next_answer)
+            turn = max(turn, due - (burst - 1) / rate)
+            self.next_answer = due + 1.0 / rate
         if turn > now:
             await asyncio.sleep(turn - now)
 
@@ -273,21 +285,15 @@ class Server:
     async def _authorize(self, request: Request, peer: str) -> int | None:
         """None when the request may pass, else the status to answer (401 or 429).
 
-        One password check at a time per peer address, _BCRYPT_QUEUE in all: a client
-        flooding wrong passwords holds one place in the queue, not everyone's."""
-        web = self.web
+        Password checks wait in a fair queue (exporter.basicauth.CheckQueue, issue 23):
+        one per peer address, _BCRYPT_QUEUE in all, peers with no recent failure first,
+        and an address that keeps failing is refused, ever longer."""
+        web, checks = self.web, self.checks
         header = request.headers.get("authorization")
-        if web is None or web.known(header):  # no users, or a cached success: no bcrypt
+        if web is None or checks is None or web.known(header):  # no users, or cached
             return None
-        if peer in self.bcrypt_peers or len(self.bcrypt_peers) >= _BCRYPT_QUEUE:
-            return 429
-        self.bcrypt_peers.add(peer)
-        try:
-            loop = asyncio.get_running_loop()
-            ok = await loop.run_in_executor(self.bcrypt, web.authorized, header)
-        finally:
-            self.bcrypt_peers.discard(peer)
-        return None if ok else 401
+        ok = await checks.check(peer, functools.partial(web.authorized, header))
+        return 429 if ok is None else None if ok else 401
 
     async def _metrics(self, conn: Conn, request: Request, writer: asyncio.StreamWriter,
                        head_only: bool) -> None:
