@@ -69,7 +69,8 @@ def run_serve(args: argparse.Namespace, unknown: Sequence[str]) -> int:
         sources.insert(0, TrainerCollector(cfg.metrics_dir, cfg.stale_after,
                                            max_file_bytes=cfg.max_file_bytes,
                                            max_series=cfg.max_series,
-                                           remove_after=cfg.remove_after))
+                                           remove_after=cfg.remove_after,
+                                           keep_failed_for=cfg.keep_failed_for))
     supervisor = attach(registry, sources)
     try:
         handle = serve(registry, cfg.host, cfg.port, cfg.web, cfg.limits)

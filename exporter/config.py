@@ -22,6 +22,8 @@ from exporter.collectors.trainer import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_SERIES,
     DEFAULT_STALE_AFTER,
+    KEEP_FAILED_FILES,
+    KEEP_FAILED_FOR,
     default_remove_after,
 )
 from exporter.facts.shm import SHM_PATH
@@ -63,6 +65,7 @@ class Config:
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     max_series: int = DEFAULT_MAX_SERIES
     remove_after: float | None = None  # None: default_remove_after(stale_after)
+    keep_failed_for: float = KEEP_FAILED_FOR
 
     @property
     def listen_address(self) -> str:
@@ -113,6 +116,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                              f"(default: 10 x --stale-after, at least "
                              f"{default_remove_after(0):g}s; env "
                              f"{ENV_PREFIX}COLLECTOR_TRAINER_REMOVE_AFTER)")
+    parser.add_argument("--collector.trainer.keep-failed-for", dest="keep_failed_for",
+                        metavar="DURATION",
+                        help="keep the last snapshot of a run that ended badly (killed, a "
+                             "lost worker, a failure) this long instead, the newest "
+                             f"{KEEP_FAILED_FILES} of them (default {KEEP_FAILED_FOR:g}s: 7 "
+                             f"days; env {ENV_PREFIX}COLLECTOR_TRAINER_KEEP_FAILED_FOR)")
     parser.add_argument("--log.level", dest="log_level", metavar="LEVEL",
                         help=f"one of {', '.join(LOG_LEVELS)} (default info; "
                              f"env {ENV_PREFIX}LOG_LEVEL)")
@@ -132,13 +141,15 @@ def _parse_bool(text: str) -> bool | None:
     return None
 
 
-_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)?")  # ASCII: float() reads '\u0663'
-_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h|d|w)?")  # ASCII: float() reads '\u0663'
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0,
+         None: 1.0}
 _MAX_DIGITS = 18  # a count or a duration longer than this is a typo (and int() of 100 kB is slow)
 
 
 def parse_seconds(text: str) -> float:
-    """'30', '30s', '1.5m', '500ms' -> seconds (positive, finite); ValueError otherwise."""
+    """'30', '30s', '1.5m', '500ms', '7d', '1w' -> seconds (positive, finite); ValueError
+    otherwise."""
     m = _DURATION.fullmatch(text.strip())
     if m is None or len(m.group(1)) > _MAX_DIGITS:
         raise ValueError(text)
@@ -268,6 +279,9 @@ def build(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
             problems.append(f"--collector.trainer.remove-after {remove_text!r}: must not be "
                             f"shorter than --stale-after ({stale_after:g}s)")
 
+    keep_failed_for = seconds("keep_failed_for", "COLLECTOR_TRAINER_KEEP_FAILED_FOR",
+                              "--collector.trainer.keep-failed-for", KEEP_FAILED_FOR)
+
     web_file = pick("web_config_file", "WEB_CONFIG_FILE") or None
     web = None
     if web_file is not None:
@@ -313,7 +327,8 @@ def build(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
     if problems:
         raise ConfigError(problems)
     return Config(host, port, metrics_dir, shm_path, frozenset(enabled), stale_after, level,
-                  limits, web_file, web, max_file_bytes, max_series, remove_after)
+                  limits, web_file, web, max_file_bytes, max_series, remove_after,
+                  keep_failed_for)
 
 
 def logging_level(name: str) -> int:

@@ -19,11 +19,13 @@ Loaders = Sequence[tuple[str, int]]
 
 
 def real_snapshot(rank: str = "0", loaders: Loaders = (("t", 2),), batches: int = 4,
-                  to_device_first: str | None = None) -> bytes:
+                  to_device_first: str | None = None, exited: bool = False) -> bytes:
     """What a trainer process of `rank` running `loaders` writes to its snapshot file.
 
     to_device_first names a loader whose to_device() runs before it is ever iterated
     (its recorder then exists without a configuration, as in a real program).
+    exited: the last snapshot of a process that exits normally (its exit hook ran);
+    otherwise one written while it runs, or the last before a kill.
     """
     saved = os.environ.get("RANK")
     os.environ["RANK"] = rank
@@ -40,6 +42,8 @@ def real_snapshot(rank: str = "0", loaders: Loaders = (("t", 2),), batches: int 
                 loader.to_device(x, "cpu")
         with tempfile.TemporaryDirectory() as directory:
             writer = hub_for(registry).write_snapshots(directory, interval=3600)
+            if exited:
+                hub_for(registry).exiting()
             writer.close()  # stops the thread after one last write
             return Path(writer.path).read_bytes()
     finally:

@@ -68,6 +68,10 @@ def test_environment_variables_configure_and_flags_win(tmp_path: Path) -> None:
                 env={"DATALOADER_EXPORTER_COLLECTOR_TRAINER_REMOVE_AFTER": "never"})
     assert (cfg.max_file_bytes, cfg.max_series, cfg.remove_after) == (1000, 9, float("inf"))
     assert build("--collector.trainer.remove-after=1h").remove_after == 3600
+    assert build().keep_failed_for == trainer.KEEP_FAILED_FOR == 7 * 86400
+    assert build("--collector.trainer.keep-failed-for=3d").keep_failed_for == 3 * 86400
+    assert build(env={"DATALOADER_EXPORTER_COLLECTOR_TRAINER_KEEP_FAILED_FOR": "1w"}
+                 ).keep_failed_for == 7 * 86400
 
 
 @pytest.mark.parametrize(("argv", "env", "expected"), [

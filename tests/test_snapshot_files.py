@@ -55,6 +55,12 @@ def good() -> bytes:
 
 
 @pytest.fixture(scope="module")
+def exited() -> bytes:
+    """good, as the last snapshot of a process that exited normally."""
+    return real_snapshot("0", (("t", 2),), exited=True)
+
+
+@pytest.fixture(scope="module")
 def two_loaders() -> bytes:
     """A real snapshot of rank 1 with loaders t (2 workers) and v (none)."""
     return real_snapshot("1", (("t", 2), ("v", 0)))
@@ -440,7 +446,8 @@ def test_an_unchanged_file_is_neither_read_nor_parsed_again(tmp_path: Path,
 
 
 def test_a_thousand_restarts_leave_only_recent_files_in_the_directory_and_the_caches(
-        tmp_path: Path, good: bytes) -> None:
+        tmp_path: Path, exited: bytes) -> None:
+    good = exited  # processes that exited normally: their files go after remove_after
     clock = Clock()
     start = clock.now
     collector = TrainerCollector(str(tmp_path), stale_after=30, clock=clock)
@@ -490,10 +497,10 @@ def read_only_directory(path: Path, fill: Callable[[Path], None]) -> Iterator[Pa
 
 
 def test_old_files_that_cannot_be_deleted_are_logged_once_and_never_fail_a_scrape(
-        tmp_path: Path, good: bytes, two_loaders: bytes,
+        tmp_path: Path, exited: bytes, two_loaders: bytes,
         caplog: pytest.LogCaptureFixture) -> None:
     def fill(directory: Path) -> None:
-        write(directory / "old.prom", good, age=3600)
+        write(directory / "old.prom", exited, age=3600)
         write(directory / "current.prom", two_loaders)
 
     with read_only_directory(tmp_path / "metrics", fill) as directory:
@@ -506,6 +513,36 @@ def test_old_files_that_cannot_be_deleted_are_logged_once_and_never_fail_a_scrap
             assert T0 not in samples
         assert (directory / "old.prom").exists()
     assert len([r for r in caplog.records if "cannot delete" in r.getMessage()]) == 1
+
+
+def test_the_last_snapshot_of_a_run_that_ended_badly_is_kept_for_days_the_newest_only(
+        tmp_path: Path, good: bytes, exited: bytes) -> None:
+    """Past remove_after, a run's last snapshot goes if its process exited normally with
+    no lost worker or failure; one with no normal exit (killed) or with a lost worker is
+    kept for keep_failed_for, the newest KEEP_FAILED_FILES of them (a crash loop)."""
+    from exporter.collectors.trainer import KEEP_FAILED_FILES, KEEP_FAILED_FOR
+
+    lost = exited.replace(
+        b'dataloader_workers_lost_total{loader="t",rank="0"} 0.0',
+        b'dataloader_workers_lost_total{loader="t",rank="0"} 1.0')
+    assert lost != exited
+    clock = Clock()
+    start = clock.now
+    collector = TrainerCollector(str(tmp_path), stale_after=30, clock=clock)
+    write(tmp_path / "exited.prom", exited, mtime=start)
+    write(tmp_path / "lost.prom", lost, mtime=start + 100)
+    for i in range(KEEP_FAILED_FILES + 4):  # a crash loop: killed, restarted, killed
+        write(tmp_path / f"killed-{i:02d}.prom", good, mtime=start + i)
+    clock.now = start + 3600  # past remove_after (600 s)
+    served(collector)
+    served(collector)  # a second scrape reads nothing again and deletes nothing more
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    newest = [f"killed-{i:02d}.prom" for i in range(5, KEEP_FAILED_FILES + 4)]
+    assert kept == sorted(["lost.prom", *newest]), kept
+    clock.now = start + KEEP_FAILED_FOR + 3600
+    served(collector)
+    assert not list(tmp_path.iterdir())
+    assert collector.errors == 0 and not collector._failed
 
 
 def test_files_are_deleted_after_ten_times_stale_after_and_never_sooner_than_ten_minutes(

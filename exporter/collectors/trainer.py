@@ -16,11 +16,14 @@ then rename). At each scrape this collector lists the directory and, for each
   leaves a file under a new name, and a directory that only grows makes every scrape
   slower. A running trainer loses nothing: it rewrites its file every second, and
   should a trainer hung for ``remove_after`` resume, its next write makes the file anew.
-  By default that is 10 x stale_after and at least 10 minutes, long enough to look at a
-  crashed trainer's last snapshot (``remove_after=math.inf`` never deletes: for a
-  directory that something else cleans). node_exporter's textfile collector, which never
-  deletes, may read the same directory. Deletion failures (a read-only directory) are
-  logged once and never fail the scrape; such files count as stale.
+  By default that is 10 x stale_after and at least 10 minutes (``remove_after=math.inf``
+  never deletes: for a directory that something else cleans). The last snapshot of a
+  run that ended badly (no dataloader_exit_timestamp_seconds: killed or crashed hard;
+  a lost worker; a failure) is kept for ``keep_failed_for`` instead (7 days), the newest
+  KEEP_FAILED_FILES of them: it is the evidence, and a crash is looked at later.
+  node_exporter's textfile collector, which never deletes, may read the same directory.
+  Deletion failures (a read-only directory) are logged once and never fail the scrape;
+  such files count as stale.
 - any other file is read and validated (snapshot.py) unless it is unchanged since the
   last scrape (same inode, mtime and size): then its earlier verdict is reused, parsed
   samples or rejection alike, so several scrapers within one write period parse a file
@@ -86,6 +89,11 @@ DEFAULT_MAX_SERIES = 20_000
 # 10 minutes (see the module's docstring).
 REMOVE_AFTER_STALE_FACTOR = 10.0
 REMOVE_AFTER_MIN = 600.0
+# The last snapshot of a run that ended badly (no normal exit, a lost worker, a failure)
+# is kept this long instead (7 days: a crash on a Friday night is looked at on Monday),
+# the newest KEEP_FAILED_FILES of them (a crash loop must not fill the volume).
+KEEP_FAILED_FOR = 7 * 86400.0
+KEEP_FAILED_FILES = 16
 _TEMPORARY = re.compile(r"\.prom\.[0-9]+\.[0-9]+\Z")  # write_to_textfile's, mid-write
 _TRAINER = tuple(m for m in cat.ALL if m.source == cat.TRAINER)
 
@@ -127,9 +135,12 @@ class TrainerCollector:
                  max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                  max_series: int = DEFAULT_MAX_SERIES,
                  remove_after: float | None = None,
-                 read: Callable[[str, int], tuple[bytes, Stamp]] = snapshot.read) -> None:
+                 read: Callable[[str, int], tuple[bytes, Stamp]] = snapshot.read,
+                 keep_failed_for: float = KEEP_FAILED_FOR) -> None:
         """remove_after None: default_remove_after(stale_after); math.inf: never delete.
-        read: snapshot.read, or a fake that tears reads for tests."""
+        read: snapshot.read, or a fake that tears reads for tests. keep_failed_for: how
+        long the last snapshot of a run that ended badly is kept (never less than
+        remove_after)."""
         if remove_after is None:
             remove_after = default_remove_after(stale_after)
         if remove_after < stale_after:
@@ -140,7 +151,13 @@ class TrainerCollector:
         self.max_file_bytes = max_file_bytes
         self.max_series = max_series
         self.remove_after = remove_after
+        self.keep_failed_for = max(keep_failed_for, remove_after)
         self.read = read
+        # Files past remove_after whose run ended badly: path -> (version, mtime).
+        self._failed: dict[str, tuple[Stamp, float]] = {}
+        # Files past remove_after read and found to have ended well, whose deletion
+        # failed (a read-only directory): path -> version, not read again.
+        self._ended_well: dict[str, Stamp] = {}
         self.up = True
         self.errors = 0
         self.rejected = dict.fromkeys(snapshot.REASONS, 0)  # files skipped, once per reason
@@ -211,6 +228,9 @@ class TrainerCollector:
         are not regular files, deletes old files, forgets verdicts on files gone."""
         verdicts, self._verdicts = self._verdicts, {}
         fresh, stale = [], 0
+        present = {entry.path for entry in entries}
+        self._failed = {p: v for p, v in self._failed.items() if p in present}
+        self._ended_well = {p: v for p, v in self._ended_well.items() if p in present}
         for entry in entries:
             name = entry.name
             if not name.endswith(SUFFIX):
@@ -222,7 +242,8 @@ class TrainerCollector:
             except OSError:  # vanished since the listing: not an error
                 continue
             stamp, regular = snapshot.stamp_of(st), stat.S_ISREG(st.st_mode)
-            if regular and now - st.st_mtime > self.remove_after and self._remove(entry.path):
+            if regular and now - st.st_mtime > self.remove_after and self._expired(
+                    entry.path, stamp, st.st_mtime, now) and self._remove(entry.path):
                 continue
             if regular and now - st.st_mtime > self.stale_after:
                 stale += 1
@@ -324,6 +345,47 @@ class TrainerCollector:
         else:
             for name in good:
                 log.info("snapshot %a is valid again", name)
+
+    def _expired(self, path: str, stamp: Stamp, mtime: float, now: float) -> bool:
+        """Whether a file past remove_after goes now: unless it is the last snapshot of a
+        run that ended badly (read once to tell), among the newest KEEP_FAILED_FILES
+        such, and younger than keep_failed_for."""
+        if self._ended_well.get(path) == stamp:  # read before, its deletion failed
+            return True
+        known = self._failed.get(path)
+        if known is None or known[0] != stamp:
+            if not self._ended_badly(path):
+                self._ended_well[path] = stamp
+                return True
+            self._failed[path] = (stamp, mtime)
+            newest = sorted(self._failed, key=lambda p: self._failed[p][1], reverse=True)
+            for old in newest[KEEP_FAILED_FILES:]:
+                del self._failed[old]  # forgotten: deleted below, or at the next scrape
+            if path not in self._failed:
+                return True
+        if now - mtime > self.keep_failed_for:
+            self._failed.pop(path, None)
+            return True
+        return False
+
+    def _ended_badly(self, path: str) -> bool:
+        """Whether a snapshot file is the last of a run that did not end well: a loader
+        without dataloader_exit_timestamp_seconds (the process never exited normally),
+        with a lost worker or a failure. A file that cannot be read or is not valid did
+        not: it goes as before."""
+        try:
+            data, _ = snapshot.read(path, self.max_file_bytes)
+            snap = snapshot.load(data, self.max_series)
+        except (OSError, Rejected):
+            return False
+        for by_family in snap.owners.values():
+            if cat.EXITED.name not in by_family:
+                return True
+            for name in (cat.WORKERS_LOST.name, cat.FAILURES.name):
+                for line in by_family.get(name, "").splitlines():
+                    if float(line.rsplit(" ", 1)[1]) > 0:
+                        return True
+        return False
 
     def _remove_if_old(self, entry: os.DirEntry[str], now: float) -> None:
         try:
