@@ -12,8 +12,10 @@ Phases, interleaved in rounds so that drift hits all alike:
   tight     one client scraping in a loop (a `watch curl`, a 10 ms scrape interval)
   50        fifty clients scraping in a loop at once
 
-Each phase's figure is the trainer's steps/s over it, as a ratio to `none` in the same
-round; the median over rounds is printed.
+Each client phase runs against the server as the trainer serves it (paced: the
+in-process limits) and against the same server without pacing (the limits the sidecar
+uses), both serving the trainer's registry. Each phase's figure is the trainer's steps/s
+over it, as a ratio to `none` in the same round; the median over rounds is printed.
 
     python bench/scrapers.py [--seconds 3] [--rounds 3]
 """
@@ -32,7 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PHASES = ("none", "1/s", "tight", "50")
+CLIENTS = {"none": (0, 0.0), "1/s": (1, 1.0), "tight": (1, 0.0), "50": (50, 0.0)}
+PHASES = ("none", *(f"{c} {v}" for c in ("1/s", "tight", "50") for v in ("paced", "unpaced")))
 
 
 def _client(url: str, threads: int, period: float, stop: mp.synchronize.Event,
@@ -70,6 +73,7 @@ def main() -> None:
     from torch.utils.data import TensorDataset
 
     import instrument
+    from exporter.http import Limits, serve
 
     cores = sorted(os.sched_getaffinity(0))
     trainer_core = cores[0] if len(cores) > 1 else None
@@ -80,7 +84,8 @@ def main() -> None:
     loader = instrument.DataLoader(TensorDataset(torch.arange(4096.0)), batch_size=8,
                                    name="train", registry=reg)
     handle = instrument.serve(0, addr="127.0.0.1", registry=reg, system_metrics=True)
-    url = handle.url + "/metrics"
+    unpaced = serve(reg, "127.0.0.1", 0, None, Limits())
+    urls = {"paced": handle.url + "/metrics", "unpaced": unpaced.url + "/metrics"}
 
     def steps_for(seconds: float) -> float:
         n, end = 0, time.perf_counter() + seconds
@@ -101,8 +106,9 @@ def main() -> None:
     for round_ in range(args.rounds):
         rate: dict[str, float] = {}
         for phase in PHASES if round_ % 2 == 0 else PHASES[::-1]:  # drift hits all alike
-            threads, period = {"none": (0, 0.0), "1/s": (1, 1.0), "tight": (1, 0.0),
-                               "50": (50, 0.0)}[phase]
+            clients, _, variant = phase.partition(" ")
+            threads, period = CLIENTS[clients]
+            url = urls.get(variant, "")
             stop = ctx.Event()
             counts = ctx.Array("l", max(threads, 1))
             proc = None
@@ -120,10 +126,11 @@ def main() -> None:
         for phase in PHASES:
             ratios[phase].append(rate[phase] / rate["none"])
     handle.shutdown()
+    unpaced.shutdown()
     print(f"cores {len(cores)} (trainer on {trainer_core}, clients on {client_core}); "
           f"{args.rounds} rounds of {args.seconds:g} s a phase")
     for phase in PHASES:
-        print(f"  {phase:6s} steps/s {statistics.median(ratios[phase]):.2f}x of none; "
+        print(f"  {phase:14s} steps/s {statistics.median(ratios[phase]):.2f}x of none; "
               f"scrapes answered {statistics.median(served[phase]):.0f}/s")
 
 
