@@ -41,6 +41,10 @@ class Work(Dataset):  # type: ignore[type-arg]
             if self.fail == "error":
                 raise ValueError(f"corrupt sample {i}")
             if self.fail == "crash":
+                # After a pause: the loop has taken this worker's earlier samples, whose
+                # descriptors torch fetches from the worker (a crash before that is a
+                # ConnectionResetError in the loop, bare torch or not: a race, not a case).
+                time.sleep(1.0)
                 os.kill(os.getpid(), signal.SIGSEGV)
             if self.fail == "oom":
                 hog = bytearray(8 << 30)  # zero-filled: every page is touched
