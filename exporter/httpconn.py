@@ -292,6 +292,10 @@ class Server:
         header = request.headers.get("authorization")
         if web is None or checks is None or web.known(header):  # no users, or cached
             return None
+        from exporter.basicauth import parse_basic  # loaded with the web config
+
+        if parse_basic(header) is None:  # no credentials: no check, nothing to count
+            return 401
         ok = await checks.check(peer, functools.partial(web.authorized, header))
         return 429 if ok is None else None if ok else 401
 

@@ -29,8 +29,9 @@ class Clock:
 
 
 def trainer_file(directory: Path, batches: int, loader: str = "t", rank: str = "0",
-                 name: str | None = None) -> Path:
-    """Runs a real instrumented loader for `batches` batches and writes its snapshot."""
+                 name: str | None = None, exited: bool = False) -> Path:
+    """Runs a real instrumented loader for `batches` batches and writes its snapshot
+    (exited: the last one of a process that exits normally)."""
     reg = CollectorRegistry()
     dl = instrument.DataLoader(SleepDataset(batches), batch_size=1, name=loader,
                                registry=reg)
@@ -40,6 +41,8 @@ def trainer_file(directory: Path, batches: int, loader: str = "t", rank: str = "
             pass
     finally:
         del os.environ["RANK"]
+    if exited:
+        instrument.hub_for(reg).exiting()
     path = directory / (name or f"host-{loader}-{rank}-{time.monotonic_ns()}.prom")
     path.write_bytes(generate_latest(reg))
     return path
@@ -85,7 +88,10 @@ def test_a_hundred_restarts_leave_no_stale_series_and_no_double_counting(
     for restart in range(100):
         # Each restart is a new process: a new file, counters from zero, and (in some
         # restarts) a different set of workers; older files linger until they go stale.
-        path = trainer_file(tmp_path, 1 + restart % 3, name=f"host-{restart}-x.prom")
+        # (Processes that exited normally: a killed one's last file is kept for days,
+        # test_snapshot_files.)
+        path = trainer_file(tmp_path, 1 + restart % 3, name=f"host-{restart}-x.prom",
+                            exited=True)
         when = start + restart * 10
         os.utime(path, (when, when))
         clock.now = when
