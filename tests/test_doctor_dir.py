@@ -402,6 +402,17 @@ def test_a_trainer_killed_mid_epoch_ended_abruptly_one_that_exited_did_not(
     assert "2 workers were alive" in abrupt["message"], abrupt
     text = doctor("--metrics-dir", str(tmp_path / "killed" / "m")).stdout
     assert "ended without a normal exit" in text and "healthy" not in text.splitlines()[-1]
+    # The same through the sidecar that serves the killed trainer's last file.
+    exporter = Exporter(f"--metrics-dir={tmp_path / 'killed' / 'm'}", "--no-collector.gpu",
+                        "--stale-after=3600")
+    try:
+        result = doctor("--url", exporter.url + "/metrics", "--interval", "0.3", "--format",
+                        "json")
+    finally:
+        exporter.stop()
+    assert result.returncode == 1, result.stderr
+    kinds = [f["kind"] for f in train_rank0(as_json(result))["findings"]]
+    assert "ended-abruptly" in kinds, result.stdout
 
     # (A short run: its first batch's wait for the workers may make it moderately
     # input-bound; what matters is that it ended normally.)
