@@ -40,11 +40,13 @@ class Work(Dataset):  # type: ignore[type-arg]
         if i == self.bad:
             if self.fail == "error":
                 raise ValueError(f"corrupt sample {i}")
-            if self.fail == "crash":
+            if self.fail in ("crash", "oom"):
                 # After a pause: the loop has taken this worker's earlier samples, whose
-                # descriptors torch fetches from the worker (a crash before that is a
-                # ConnectionResetError in the loop, bare torch or not: a race, not a case).
+                # descriptors torch fetches from the worker (a death before that is a
+                # ConnectionResetError or EOFError in the loop, bare torch or not: a race
+                # of torch's, not the case under test).
                 time.sleep(1.0)
+            if self.fail == "crash":
                 os.kill(os.getpid(), signal.SIGSEGV)
             if self.fail == "oom":
                 hog = bytearray(8 << 30)  # zero-filled: every page is touched
