@@ -166,11 +166,17 @@ def test_a_file_rewritten_in_place_a_hundred_times_a_second_is_neither_counted_n
         print(f"{writes} writes, {scrapes} scrapes, {served} served, "
               f"{errors(samples)} errors, log: {snapshot_lines(exp)}")
         assert writes >= 200 and scrapes >= 20
-        # Many reads find the file empty (a scrape that does serves none of its series:
-        # from 5 to 70 of 80 were served here), a few find it half-written: the second
-        # read, at once, is whole, or the file is written long before it has been empty
-        # for a second.
-        assert errors(samples) == 0 and snapshot_lines(exp) == []
+        # Many reads find the file empty, a few find it half-written: the second read, at
+        # once, is whole, or the file is written long before it has been empty for a
+        # second; meanwhile its last whole version is served (before that, from 5 to 70
+        # of 80 scrapes served none of its series). The first scrape may come before the
+        # sidecar has ever read it whole. Left: a writer descheduled mid-write for longer
+        # than the two reads take leaves the same partial bytes to both, counted as one
+        # error with its two log lines (skipping, valid again): seen once in a few runs
+        # on a loaded machine, where the writer cost 209 errors and 422 lines.
+        bad = errors(samples)
+        assert bad <= 1 and len(snapshot_lines(exp)) <= 2 * bad, snapshot_lines(exp)
+        assert served >= scrapes - 1 - bad, (served, scrapes)
         assert samples[(BATCHES, (("loader", "t"), ("rank", "0")))] in (4, 5, 6, 7)
     finally:
         if writer.poll() is None:
@@ -220,10 +226,13 @@ def test_a_torn_read_is_read_again_at_once_and_counted_only_if_the_same_bytes_co
         st = path.stat()
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
 
-    # Torn twice, differently: left out of this scrape, uncounted, read at the next.
+    # Torn twice, differently, and never whole before: left out of this scrape,
+    # uncounted, read at the next.
     assert scrape() == (0, None)
     assert scrape() == (0, 4)
     rewritten([half])  # torn once: the second read is whole and served
+    assert scrape() == (0, 4)
+    rewritten([half, good[:100]])  # torn twice: its last whole version is served
     assert scrape() == (0, 4)
     rewritten([half, half])  # the same bytes twice: rejected, counted once
     assert scrape() == (1, None)
@@ -252,7 +261,7 @@ def test_an_empty_file_counts_only_once_it_has_stayed_empty_for_a_second(
     assert scrape() == (0, 4)  # it was
     path.write_bytes(b"")
     clock.now = path.stat().st_mtime + EMPTY_GRACE * 0.9
-    assert scrape() == (0, None)
+    assert scrape() == (0, 4)  # emptied to be written: its last whole version
     clock.now += EMPTY_GRACE * 0.2
     assert scrape() == (1, None)  # still empty: no write under way
     assert scrape() == (1, None)

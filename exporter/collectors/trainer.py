@@ -32,9 +32,10 @@ then rename). At each scrape this collector lists the directory and, for each
   error count and logged (by name and reason) once per file and reason: a bad file
   rewritten every second counts once while it stays bad for the same reason.
 - a file whose content is rejected is read again at once, and the rejection stands only
-  if the second read finds the same bytes; a whole second read is served, and one that
-  differs and is not whole either leaves the file out of this scrape, uncounted, to be
-  read at the next. An empty file is skipped, and counts (as invalid) only once it has
+  if the second read finds the same bytes; a whole second read is served, and for one
+  that differs and is not whole either the file's last whole version is served (none if
+  it never was whole), uncounted, and it is read again at the next scrape. An empty file
+  is served as its last whole version too, and counts (as invalid) only once it has
   stayed empty for EMPTY_GRACE. Both are for writers that rewrite their file in place
   (truncate, then write) instead of renaming: a read between the two finds it empty, one
   during the write finds part of it, and neither may cost an error or a log line (a file
@@ -165,6 +166,9 @@ class TrainerCollector:
         self._lock = threading.Lock()  # a warm-up collection may overlap a scrape
         # Verdicts by path, only for entries present (and, if regular, fresh).
         self._verdicts: dict[str, _Verdict] = {}
+        # The last whole version of each fresh file, served while a read finds it torn or
+        # emptied by an in-place writer (a moment older than the file, not nothing).
+        self._last_whole: dict[str, Snapshot] = {}
         self._bad: dict[str, str] = {}  # path -> the reason it was counted and logged for
         self._news: list[tuple[str, str, str]] = []  # this scrape's: (name, reason, detail)
         self._valid_again: list[str] = []  # this scrape's names
@@ -229,6 +233,7 @@ class TrainerCollector:
         verdicts, self._verdicts = self._verdicts, {}
         fresh, stale = [], 0
         present = {entry.path for entry in entries}
+        self._last_whole = {p: v for p, v in self._last_whole.items() if p in present}
         self._failed = {p: v for p, v in self._failed.items() if p in present}
         self._ended_well = {p: v for p, v in self._ended_well.items() if p in present}
         for entry in entries:
@@ -269,16 +274,20 @@ class TrainerCollector:
             if read is not None and read.data is not None and not isinstance(read.result,
                                                                               Snapshot):
                 again = self._read(path, stamp, read)
-                if again is not read and (again is None or not isinstance(again.result,
-                                                                          Snapshot)):
-                    return None
+                if again is None:
+                    return None  # gone
+                if again is not read and not isinstance(again.result, Snapshot):
+                    return self._last_whole.get(path)  # torn: read again at the next scrape
                 read = again
             if read is None:
                 return None
             self._keep(name, path, read.stamp, read.result)
             verdict, stamp = read.result, read.stamp
-        if verdict is _EMPTY and self.clock() - stamp[1] / 1e9 >= EMPTY_GRACE:
-            self._count(name, path, _EMPTY)
+        if verdict is _EMPTY:
+            if self.clock() - stamp[1] / 1e9 >= EMPTY_GRACE:
+                self._count(name, path, _EMPTY)
+            else:
+                return self._last_whole.get(path)  # emptied to be written: its last version
         return verdict
 
     def _read(self, path: str, stamp: Stamp, earlier: _Read | None = None) -> _Read | None:
@@ -311,9 +320,11 @@ class TrainerCollector:
         is counted by _verdict, once it has stayed empty)."""
         self._verdicts[path] = (stamp, verdict)
         if isinstance(verdict, Snapshot):
+            self._last_whole[path] = verdict
             if self._bad.pop(path, None) is not None:
                 self._valid_again.append(name)
         elif verdict is not _EMPTY:
+            self._last_whole.pop(path, None)  # bad, not torn: nothing of it is served
             self._count(name, path, verdict)
 
     def _count(self, name: str, path: str, rejected: Rejected) -> None:
