@@ -121,7 +121,7 @@ class OomWatch:
     def __init__(self, kills: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._kills = kills if kills is not None else OomKills()
         self._clock = clock
-        self._claimed: int | None = None  # the count up to which rises are claimed
+        self._claimed = 0  # the count up to which rises are claimed
         self._lock = threading.Lock()
 
     def read(self) -> tuple[float, int] | None:
@@ -137,7 +137,7 @@ class OomWatch:
         if now is None or seen is None or now[0] - seen[0] > self.STALE:
             return None
         with self._lock:
-            claimed = max(seen[1], self._claimed if self._claimed is not None else seen[1])
+            claimed = max(seen[1], self._claimed)
             if now[1] > claimed:
                 self._claimed = claimed + 1
                 return True

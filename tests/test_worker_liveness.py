@@ -7,11 +7,12 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
-from helpers import FailingDataset, SleepDataset, refreshes, value
+from helpers import FailingDataset, SleepDataset, parse, refreshes, value
 from prometheus_client import CollectorRegistry
 from torch.utils.data import IterableDataset
 
@@ -163,20 +164,13 @@ def test_a_collection_during_a_scrape_never_counts_a_generation_twice(
 
 def _reading(path: str) -> tuple[float, float, float] | None:
     """(collection began, collection ended, dataloader_workers_active) in one snapshot."""
-    found: dict[str, float] = {}
     try:
-        with open(path) as f:
-            for line in f:
-                for key in ("test_collect_begin ", "test_collect_end ",
-                            cat.WORKERS_ACTIVE.name + "{"):
-                    if line.startswith(key):
-                        found[key] = float(line.rsplit(" ", 1)[1])
+        series = parse(Path(path).read_text())
     except FileNotFoundError:
         return None
-    if len(found) < 3:
-        return None
-    return (found["test_collect_begin "], found["test_collect_end "],
-            found[cat.WORKERS_ACTIVE.name + "{"])
+    found = (series.get(("test_collect_begin", ())), series.get(("test_collect_end", ())),
+             series.get((cat.WORKERS_ACTIVE.name, tuple(sorted(L.items())))))
+    return None if None in found else cast(tuple[float, float, float], found)
 
 
 def _workers_active_in(path: str) -> float | None:

@@ -21,7 +21,7 @@ from prometheus_client.metrics_core import Metric as Family
 
 from exporter import catalogue as c
 from exporter.collectors.base import LogOnce, family
-from exporter.facts.cgroup import V1_UNLIMITED, memory_files, read_value
+from exporter.facts.cgroup import limits, memory_files, read_value
 
 log = logging.getLogger("exporter.host")
 
@@ -95,9 +95,7 @@ class HostCollector:
             self._fail("cgroup", "cgroup memory metrics skipped: %s", err)
             return
         self._logs.cleared("cgroup", "cgroup memory metrics readable again")
-        unlimited = limit is None or limit >= V1_UNLIMITED or (
-            host_total is not None and limit > host_total)
-        if limit is not None and not unlimited:
+        if limit is not None and limits(limit, host_total):
             families.append(_gauge(c.CGROUP_MEMORY_LIMIT, limit))
         if usage is not None:
             families.append(_gauge(c.CGROUP_MEMORY_USAGE, usage))

@@ -43,6 +43,13 @@ def own_cgroups(proc_root: Path) -> tuple[str, str]:
 V1_UNLIMITED = 2**62
 
 
+def limits(limit: int | None, host_total: int | None) -> bool:
+    """Whether a memory cgroup's limit limits anything: set ("max" is none), under cgroup
+    v1's "no limit", and not above the host's memory."""
+    return (limit is not None and limit < V1_UNLIMITED
+            and (host_total is None or limit <= host_total))
+
+
 def memory_files(proc_root: Path, cgroup_root: Path) -> tuple[Path, Path] | None:
     """The (limit, usage) files of our memory cgroup: v2 first, then v1; None if neither."""
     own_v2, own_v1 = own_cgroups(proc_root)
@@ -80,7 +87,7 @@ def memory_room(host_total: int, host_available: int, proc_root: str = PROC,
             limit, usage = read_value(files[0]), read_value(files[1])
         except (OSError, ValueError):
             return room
-        if limit is not None and usage is not None and limit < min(V1_UNLIMITED, host_total):
+        if limit is not None and usage is not None and limits(limit, host_total):
             room = min(room, max(0, limit - usage))
     return room
 
