@@ -22,21 +22,21 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from exporter import __version__
-from exporter.collectors.base import SourceCollector
-from exporter.collectors.gpu import GpuCollector
-from exporter.collectors.host import HostCollector
-from exporter.collectors.shm import ShmCollector
-from exporter.collectors.trainer import TrainerCollector
-from exporter.config import parse_address
-from exporter.http import serve
-from exporter.sources import attach
+from dataloader_exporter import __version__
+from dataloader_exporter.exporter.collectors.base import SourceCollector
+from dataloader_exporter.exporter.collectors.gpu import GpuCollector
+from dataloader_exporter.exporter.collectors.host import HostCollector
+from dataloader_exporter.exporter.collectors.shm import ShmCollector
+from dataloader_exporter.exporter.collectors.trainer import TrainerCollector
+from dataloader_exporter.exporter.config import parse_address
+from dataloader_exporter.exporter.http import serve
+from dataloader_exporter.exporter.sources import attach
 
 # tests/ is not a package: import the fake from its directory.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from fake_nvml import FakeGpu, FakeNvml  # type: ignore[import-not-found]
 
-log = logging.getLogger("exporter")
+log = logging.getLogger("dataloader_exporter.exporter")
 
 
 class QuietFakeNvml(FakeNvml):

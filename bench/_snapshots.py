@@ -23,10 +23,10 @@ def write_rank_files(directory: Path, ranks: int = 8, loaders: Sequence[str] = L
     import torch
     from prometheus_client import CollectorRegistry, generate_latest
 
-    import instrument
+    from dataloader_exporter import instrument
 
     # Preflight advice ("num_workers=0 ...") is meant for users, not for this benchmark.
-    quiet = logging.getLogger("instrument")
+    quiet = logging.getLogger("dataloader_exporter.instrument")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     data = torch.arange(batches * 4 * 2, dtype=torch.float32).reshape(batches * 4, 2)

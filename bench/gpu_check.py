@@ -38,10 +38,10 @@ import torch
 from prometheus_client import CollectorRegistry
 from torch.utils.data import DataLoader, TensorDataset
 
-import instrument
-from exporter import catalogue as cat
-from exporter.config import ENV_DIR
-from instrument.env import current_rank
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.core.env import ENV_DIR
+from dataloader_exporter.instrument.env import current_rank
 
 BATCH, WIDTH, BATCHES = 64, 32_768, 40  # 8 MiB batches: a copy takes ~10x its host-side launch
 SANE_FACTOR = 3.0  # instrumented transfer time vs the reference, either way
@@ -219,7 +219,7 @@ def check_overlap(dev: torch.device, batches: int = 60, rounds: int = 3) -> Resu
 
 def check_nvml(nvml: Any = None, deadline_s: float = 10.0) -> Result:
     try:
-        from exporter.collectors.gpu import GpuCollector
+        from dataloader_exporter.exporter.collectors.gpu import GpuCollector
     except ImportError as e:
         return "SKIP", "nvml", {"reason": f"no exporter.collectors.gpu ({e})"}
     try:
@@ -284,7 +284,8 @@ def guarded(name: str, check: Callable[[], list[Result]]) -> list[Result]:
 
 
 def main() -> int:
-    logging.getLogger("instrument").setLevel(logging.ERROR)  # config lines and advice
+    # config lines and advice
+    logging.getLogger("dataloader_exporter.instrument").setLevel(logging.ERROR)
     os.environ.pop(ENV_DIR, None)  # no snapshot thread of our own: registries are local
     if not torch.cuda.is_available():
         print(f"SKIP: no CUDA (torch {torch.__version__}, CUDA build {torch.version.cuda})")

@@ -43,10 +43,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.data import DataLoader, TensorDataset
 
-import instrument
-from exporter import catalogue as cat
-from exporter.config import ENV_DIR
-from instrument.env import current_rank
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.core.env import ENV_DIR
+from dataloader_exporter.instrument.env import current_rank
 
 Step = Callable[[], None] | None
 VARIANTS = ("bare", "instrumented", "profiler")
@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="~10x smaller, for a smoke run")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = ap.parse_args(argv)
-    logging.getLogger("instrument").setLevel(logging.ERROR)  # no num_workers=0 advice
+    # no num_workers=0 advice
+    logging.getLogger("dataloader_exporter.instrument").setLevel(logging.ERROR)
     os.environ.pop(ENV_DIR, None)  # no snapshot thread of our own: registries are local
     torch.set_num_threads(1)  # 2 OpenMP threads on 2 vCPUs stall when a third thread runs
     t0 = perf_counter()

@@ -25,7 +25,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from torch.utils.data import TensorDataset
 
-import instrument
+from dataloader_exporter import instrument
 
 BUDGET = 0.01  # of one core, for 16 workers
 

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _served import REPO, Served, free_port, percentile, rounded, series
 from _snapshots import LOADERS, write_rank_files
 
-from exporter import catalogue as cat
+from dataloader_exporter.core import catalogue as cat
 
 WRITTEN, RANKS, GPUS, STALE_AFTER = 8, 32, 8, "86400"  # files stay fresh for the run
 P99_MS, RSS_MB, START_S = 20.0, 40.0, 1.0

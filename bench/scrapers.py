@@ -72,8 +72,8 @@ def main() -> None:
     from prometheus_client import CollectorRegistry
     from torch.utils.data import TensorDataset
 
-    import instrument
-    from exporter.http import Limits, serve
+    from dataloader_exporter import instrument
+    from dataloader_exporter.exporter.http import Limits, serve
 
     cores = sorted(os.sched_getaffinity(0))
     trainer_core = cores[0] if len(cores) > 1 else None

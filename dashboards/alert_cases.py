@@ -8,7 +8,7 @@ Series use promtool's notation at a 1-minute interval ('0+30x30': 0, 30, 60, ...
 
 from __future__ import annotations
 
-from exporter import catalogue as cat
+from dataloader_exporter.core import catalogue as cat
 
 from . import dcgm
 from .model import EXPORTER_CONTAINER, EXPORTER_JOB, Case

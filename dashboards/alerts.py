@@ -8,7 +8,8 @@ dashboard variables: alerts see every job.
 
 from __future__ import annotations
 
-from exporter import catalogue as cat
+from dataloader_exporter.core import bands
+from dataloader_exporter.core import catalogue as cat
 
 from . import dcgm
 from .model import CRITICAL, EXPORTER_CONTAINER, EXPORTER_JOB, WARNING, Alert
@@ -50,15 +51,16 @@ _lost = (f"((increase({_deaths}[{LOST_WINDOW}]) > 0) or ({_deaths} > 0 unless "
 ALERTS: tuple[Alert, ...] = (
     Alert(
         "DataLoaderInputBound",
-        f"({stall_share('', WINDOW)} > 0.2) unless on (job, instance) "
-        f"(avg by (job, instance) ({sel(cat.GPU_UTILIZATION)}) >= 0.6) "
+        f"({stall_share('', WINDOW)} > {bands.INPUT_BOUND}) unless on (job, instance) "
+        f"(avg by (job, instance) ({sel(cat.GPU_UTILIZATION)}) >= {bands.GPU_IDLE}) "
         f"unless on (namespace, pod) (avg by (namespace, pod) ({dcgm.pod_utilization()}) "
-        ">= 0.6)",
+        f">= {bands.GPU_IDLE})",
         "10m", WARNING,
-        f"Input-bound: {LOADER} waits for data over 20% of the time",
-        "The training loop spent over 20% of its time waiting for batches for 10 minutes"
+        f"Input-bound: {LOADER} waits for data over {bands.INPUT_BOUND:.0%} of the time",
+        f"The training loop spent over {bands.INPUT_BOUND:.0%} of its time waiting for batches "
+        "for 10 minutes"
         " (and, where GPU metrics exist, the instance's GPUs, or in Kubernetes the pod's"
-        " GPUs as dcgm-exporter sees them, were under 60% busy): the GPU"
+        f" GPUs as dcgm-exporter sees them, were under {bands.GPU_IDLE:.0%} busy): the GPU"
         " is starving. Fix: raise num_workers (up to the physical cores), set"
         " pin_memory=True and persistent_workers=True, raise prefetch_factor, and make"
         " __getitem__ cheaper (decode or augment less, cache decoded samples, move"
@@ -71,7 +73,8 @@ ALERTS: tuple[Alert, ...] = (
         "Input straggler: {{ $labels.loader }} rank {{ $labels.rank }} holds back the other "
         "ranks of {{ $labels.job }}",
         "In synchronous data parallel every step waits for the slowest rank. This rank's"
-        " loop waits for its input longer than the median rank's by over 5% of the job's"
+        f" loop waits for its input longer than the median rank's by over {bands.MODERATE:.0%} "
+        "of the job's"
         " batch period (the value), and every other rank spends that time waiting for it"
         " inside its step. Fix this rank's input, not the others': its host's storage,"
         " cores (other ranks' workers on the same machine), /dev/shm and num_workers; an"
@@ -130,12 +133,13 @@ ALERTS: tuple[Alert, ...] = (
     Alert(
         "DataLoaderWorkersCpuStarved",
         f"({worker_state_share('waiting_for_cpu', '', WINDOW)} >= {CPU_CONTENTION}) and "
-        f"({stall_share('', WINDOW)} > 0.2)",
+        f"({stall_share('', WINDOW)} > {bands.INPUT_BOUND})",
         "10m", WARNING,
         f"DataLoader workers starved of CPU: {LOADER}",
         f"The loader's workers spent {round(CPU_CONTENTION * 100)}% of their time or more"
         " waiting for a CPU (runnable, in the run queue) for 10 minutes, while the training"
-        " loop waited for data over 20% of the time: there are more runnable workers than"
+        f" loop waited for data over {bands.INPUT_BOUND:.0%} of the time: there are more "
+        "runnable workers than"
         " cores for them (too many workers, other ranks' workers on the same machine, or"
         " other processes on the cores). More workers make it worse. Fix: fewer num_workers"
         " (at most the cores per local rank; `dataloader-exporter doctor` says how many get"

@@ -8,12 +8,12 @@ it is allocated to. Its ServiceMonitor needs honorLabels: true, or Prometheus re
 those labels exported_pod and exported_namespace. The sidecar's series carry the same
 `namespace` and `pod` (the PodMonitor adds them), which is the join.
 
-The name below is dcgm-exporter's, not ours, so it is not in exporter.catalogue.
+The name below is dcgm-exporter's, not ours, so it is not in core.catalogue.
 """
 
 from __future__ import annotations
 
-from exporter import catalogue as cat
+from dataloader_exporter.core import catalogue as cat
 
 from .promql import sel
 

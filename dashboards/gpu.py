@@ -6,7 +6,8 @@ a starving GPU (low utilization, high input stall) from a busy or throttled one.
 
 from __future__ import annotations
 
-from exporter import catalogue as cat
+from dataloader_exporter.core import bands
+from dataloader_exporter.core import catalogue as cat
 
 from . import dcgm
 from .model import (
@@ -26,15 +27,18 @@ from .model import (
 )
 from .promql import BY_GPU, GPUS, HOST, ratio, sel
 
-UTILIZATION_BANDS: tuple[Step, ...] = ((None, "red"), (0.6, "yellow"), (0.8, "green"))
+UTILIZATION_BANDS: tuple[Step, ...] = ((None, "red"), (bands.GPU_IDLE, "yellow"),
+                                        (bands.GPU_BUSY, "green"))
 MEMORY_BANDS: tuple[Step, ...] = ((None, "green"), (0.9, "orange"), (0.98, "red"))
 # Most data-centre GPUs start to throttle their clocks in the 80s (Celsius).
 TEMPERATURE_BANDS: tuple[Step, ...] = ((None, "green"), (80, "orange"), (90, "red"))
 
 summary = Row("At a glance", (
     Panel("Mean GPU utilization",
-          "Mean share of time a kernel ran, over the selected GPUs. Good: over 80% while "
-          "training. Under 60% with a high input stall share on the DataLoader overview: "
+          "Mean share of time a kernel ran, over the selected GPUs. Good: over "
+          f"{bands.GPU_BUSY:.0%} while "
+          f"training. Under {bands.GPU_IDLE:.0%} with a high input stall share on the "
+          "DataLoader overview: "
           "the GPUs are starving for data.",
           RATIO, (("mean", f"avg({sel(cat.GPU_UTILIZATION, GPUS)})"),), STAT,
           UTILIZATION_BANDS, 0, 1),

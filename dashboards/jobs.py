@@ -7,13 +7,17 @@ job's ranks, workers and memory.
 
 from __future__ import annotations
 
+from dataloader_exporter.core import bands
+
 from . import recording as r
 from .model import BARGAUGE, COUNT, RATIO, SECONDS, Board, Panel, Row, Step, Variable
 
 JOBS = 'namespace=~"$namespace",job=~"$job",loader=~"$loader"'
 BY_JOB = "{{namespace}} {{job}} {{loader}}"
-STALL_BANDS: tuple[Step, ...] = ((None, "green"), (0.05, "yellow"), (0.2, "red"))
-GPU_BANDS: tuple[Step, ...] = ((None, "red"), (0.6, "yellow"), (0.8, "green"))
+STALL_BANDS: tuple[Step, ...] = ((None, "green"), (bands.MODERATE, "yellow"),
+                                  (bands.INPUT_BOUND, "red"))
+GPU_BANDS: tuple[Step, ...] = ((None, "red"), (bands.GPU_IDLE, "yellow"),
+                                (bands.GPU_BUSY, "green"))
 WINDOW_NOTE = " Recorded over 5-minute windows by Prometheus's recording rules."
 
 
@@ -25,23 +29,26 @@ glance = Row("Which jobs starve?", (
     Panel("Input stall share by job",
           "Each job's input stall share now: the worst rank's fetch wait per batch over the "
           "common batch period (in synchronous data parallel every rank waits for the "
-          "slowest). Good: under 5%. Over 20% the job is input-bound: open the DataLoader "
+          f"slowest). Good: under {bands.MODERATE:.0%}. Over {bands.INPUT_BOUND:.0%} the job is "
+          "input-bound: open the DataLoader "
           "overview for that job to see which rank and why." + WINDOW_NOTE,
           RATIO, ((BY_JOB, rec(r.INPUT_STALL)),), BARGAUGE, STALL_BANDS, 0, 1),
     Panel("Input stragglers",
           "The ten ranks, over the selected jobs, whose input holds their job back most: "
           "each one's fetch wait per batch above its job's median rank's, as a share of the "
           "batch period (that much of every other rank's time goes to waiting for it). "
-          "Reads the same with 2 or 64 ranks a job. Good: every bar under 5%; from 5% "
+          "Reads the same with 2 or 64 ranks a job. Good: every bar under "
+          f"{bands.MODERATE:.0%}; from {bands.MODERATE:.0%} "
           "(red) the rank is an input straggler and DataLoaderInputStraggler fires after "
           "10 minutes. Fix that rank's input (its host's storage, cores, /dev/shm), not "
           "the others'." + WINDOW_NOTE,
           RATIO, (("{{namespace}} {{job}} {{loader}} rank {{rank}}",
                    f"topk(10, {rec(r.STRAGGLER)})"),), BARGAUGE,
-          ((None, "green"), (0.05, "red")), 0, 1),
+          ((None, "green"), (bands.STRAGGLER, "red")), 0, 1),
     Panel("GPU utilization by job",
           "Mean utilization of each job's GPUs now: dcgm-exporter's, joined on the pods "
-          "(Kubernetes), or the sidecar's NVML collector's. Good: over 80% while training. "
+          f"(Kubernetes), or the sidecar's NVML collector's. Good: over {bands.GPU_BUSY:.0%} "
+          "while training. "
           "Low with a high input stall share: the GPUs wait for data.",
           RATIO, (("{{namespace}} {{job}}",
                    rec(r.GPU, 'namespace=~"$namespace",job=~"$job"')),),
@@ -50,7 +57,8 @@ glance = Row("Which jobs starve?", (
 
 trends = Row("Over time", (
     Panel("Input stall share",
-          "Each job's input stall share over time. Good: flat and under 5%. Spikes at "
+          f"Each job's input stall share over time. Good: flat and under {bands.MODERATE:.0%}. "
+          "Spikes at "
           "regular intervals are epoch starts (persistent_workers=True) or evaluation." +
           WINDOW_NOTE,
           RATIO, ((BY_JOB, rec(r.INPUT_STALL)),), thresholds=STALL_BANDS, max=1),

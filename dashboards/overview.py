@@ -9,7 +9,8 @@ host memory).
 
 from __future__ import annotations
 
-from exporter import catalogue as cat
+from dataloader_exporter.core import bands
+from dataloader_exporter.core import catalogue as cat
 
 from . import dcgm
 from .model import (
@@ -50,8 +51,10 @@ from .workers import WHY_WORKERS
 W = RATE_INTERVAL
 
 # TensorFlow profiler's bands: under 5% fine, 5-20% worth a look, over 20% input-bound.
-STALL_BANDS: tuple[Step, ...] = ((None, "green"), (0.05, "yellow"), (0.2, "red"))
-GPU_BANDS: tuple[Step, ...] = ((None, "red"), (0.6, "yellow"), (0.8, "green"))
+STALL_BANDS: tuple[Step, ...] = ((None, "green"), (bands.MODERATE, "yellow"),
+                                  (bands.INPUT_BOUND, "red"))
+GPU_BANDS: tuple[Step, ...] = ((None, "red"), (bands.GPU_IDLE, "yellow"),
+                                (bands.GPU_BUSY, "green"))
 SHM_BANDS: tuple[Step, ...] = ((None, "green"), (0.9, "orange"), (0.98, "red"))
 FETCH = {"phase": cat.PHASE_FETCH}
 TRANSFER = {"phase": cat.PHASE_TRANSFER}
@@ -79,7 +82,8 @@ headline = Row("Is the GPU starving?", (
           "the worst rank's fetch wait per batch over the common batch period (fetch wait "
           "plus step), not the mean over ranks; for a single process it is fetch wait / "
           "(fetch wait + step time). The highest over the selected jobs and loaders. Good: "
-          "under 5%. 5-20% is worth a look; over 20% the job is input-bound and the GPUs "
+          f"under {bands.MODERATE:.0%}. {bands.MODERATE * 100:.0f}-{bands.INPUT_BOUND:.0%} is "
+          f"worth a look; over {bands.INPUT_BOUND:.0%} the job is input-bound and the GPUs "
           "idle. Which rank it comes from: Input stragglers." + STALL_FIX,
           RATIO, (("job stall share", f"max({job_stall_share(LOADER, W)})"),), STAT,
           STALL_BANDS, 0, 1),
@@ -91,14 +95,16 @@ headline = Row("Is the GPU starving?", (
     Panel("GPU utilization",
           "Mean share of time a kernel ran, over the selected instances' GPUs (from the "
           "exporter's NVML collector, or in Kubernetes from dcgm-exporter, joined on the "
-          "pods). Good: over 80% while training. Low utilization together with a high input "
+          f"pods). Good: over {bands.GPU_BUSY:.0%} while training. Low utilization together "
+          "with a high input "
           "stall share means the GPU is starving for data; low utilization with a low stall "
           "share points at the model or the step (small batches, synchronisation).",
           RATIO, (("GPU utilization", f"avg({sel(cat.GPU_UTILIZATION, HOST)}) or "
                                       f"avg({dcgm.gpu_utilization(HOST)})"),), GAUGE,
           GPU_BANDS, 0, 1),
     Panel("Input stragglers",
-          "Ranks whose fetch wait per batch exceeds the median rank's by 5% of the batch "
+          f"Ranks whose fetch wait per batch exceeds the median rank's by {bands.MODERATE:.0%} "
+          "of the batch "
           "period or more (the DataLoaderInputStraggler alert's test): every other rank "
           "waits for their input at each step. Good: 0. Otherwise see Input stragglers by "
           "rank for which, and fix that rank's input (its host's storage, cores, /dev/shm, "
@@ -110,8 +116,9 @@ headline = Row("Is the GPU starving?", (
 
 stall = Row("Where the time goes", (
     Panel("Input stall share",
-          "Per loader and rank: fetch wait / (fetch wait + step time). Good: under the 5% "
-          "line. Above 20% the job is input-bound." + STALL_FIX,
+          "Per loader and rank: fetch wait / (fetch wait + step time). Good: under the "
+          f"{bands.MODERATE:.0%} "
+          f"line. Above {bands.INPUT_BOUND:.0%} the job is input-bound." + STALL_FIX,
           RATIO, ((BY_RANK, stall_share(LOADER, W)),), thresholds=STALL_BANDS, max=1),
     Panel("Each rank's GPU beside its input stall share",
           "The utilization of the GPU each rank feeds (joined on dataloader_info's gpu_uuid, "
@@ -141,7 +148,8 @@ stall = Row("Where the time goes", (
           "The ten ranks whose input holds the others back most: each one's fetch wait per "
           "batch above the median rank's, as a share of the job's batch period (that much "
           "of every other rank's time goes to waiting for it). Reads the same with 2, 8 or "
-          "64 ranks. Good: every bar under 5% (red from there: an input straggler)." ,
+          f"64 ranks. Good: every bar under {bands.MODERATE:.0%} (red from there: an input "
+          "straggler)." ,
           RATIO, ((BY_RANK, f"topk(10, {straggler_excess(LOADER, W)})"),), BARGAUGE,
           ((None, "green"), (STRAGGLER, "red")), 0, 1),
     Panel("The job's stall against each rank's own",

@@ -7,7 +7,8 @@ the two cannot drift apart. No metric name is typed here: they come from the cat
 
 from __future__ import annotations
 
-from exporter import catalogue as cat
+from dataloader_exporter.core import bands
+from dataloader_exporter.core import catalogue as cat
 
 RATE_INTERVAL = "$__rate_interval"
 # Matchers from the dashboard variables. Multi-select values (and All, which is ".*")
@@ -104,7 +105,7 @@ def worker_state_share(state: str, matchers: str, window: str) -> str:
 # series, for panels and alerts; dashboards.recording records the same from its rules.
 JOB_KEYS = "namespace, job, loader"
 RANK_KEYS = f"{JOB_KEYS}, rank"
-STRAGGLER = 0.05  # of the batch period; diagnosis.jobs.STRAGGLER, the doctor's threshold
+STRAGGLER = bands.STRAGGLER  # of the batch period, as the doctor judges it
 
 
 def _per_rank(expr: str) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from exporter import catalogue as cat
+from dataloader_exporter.core import catalogue as cat
 
 from .dcgm import GPU_UTIL, gpu_utilization_by_job
 from .model import RecordCase, Recording

@@ -4,7 +4,7 @@ why they failed. Each panel reads per loader; the $rank variable picks ranks."""
 
 from __future__ import annotations
 
-from exporter import catalogue as cat
+from dataloader_exporter.core import catalogue as cat
 
 from .model import BYTES, BYTES_PER_SECOND, COUNT, Panel, Row
 from .promql import CPU_CONTENTION, LOADER, RATE_INTERVAL, rate, sel, workers_by_state

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
-from exporter import __version__
+from dataloader_exporter import __version__
 
 PROG = "dataloader-exporter"
 
@@ -29,15 +29,18 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "serve": Command("exporter.command", "serve /metrics (sidecar mode)"),
-    "doctor": Command("diagnosis.doctor_cli",
+    "serve": Command("dataloader_exporter.exporter.command", "serve /metrics (sidecar mode)"),
+    "doctor": Command("dataloader_exporter.diagnosis.doctor_cli",
                       "diagnose the input pipeline and say what to change"),
-    "top": Command("diagnosis.top", "live terminal view of an exporter's DataLoader metrics"),
+    "top": Command("dataloader_exporter.diagnosis.top",
+                   "live terminal view of an exporter's DataLoader metrics"),
     "run": Command("dataloader_exporter.run",
                    "run a program with its DataLoaders instrumented, no code changes"),
-    "demo": Command("instrument.demo", "a starved and a tuned CPU training run, side by side",
+    "demo": Command("dataloader_exporter.demo",
+                    "a starved and a tuned CPU training run, side by side",
                     "torch", ("torch", "numpy")),
-    "dashboards": Command("dashboards.command", "write Grafana dashboards, alerts and rules",
+    "dashboards": Command("dataloader_exporter.dashboards.command",
+                          "write Grafana dashboards, alerts and rules",
                           "dashboards", ("grafanalib", "attr", "attrs", "yaml")),
 }
 

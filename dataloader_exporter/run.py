@@ -14,13 +14,12 @@ import os
 import shlex
 import sys
 
-from exporter.config import ENV_DIR
-from exporter.loadersettings import ENV_SETTINGS, SettingsError, parse
+from dataloader_exporter.core.env import ENV_AUTO, ENV_DIR, ENV_SETTINGS
+from dataloader_exporter.core.settings import SettingsError, parse
 
 DESCRIPTION = ("Run COMMAND with every torch DataLoader in it, and in the Python processes "
                "it starts (torchrun ranks, Lightning's DDP processes, accelerate launch), "
                "instrumented without code changes.")
-ENV_AUTO = "DATALOADER_EXPORTER_AUTO"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def autorun_dir() -> str:
     """The directory whose sitecustomize.py turns zero-code mode on (not imported here)."""
-    spec = importlib.util.find_spec("instrument")
+    spec = importlib.util.find_spec("dataloader_exporter.instrument")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the instrument package is not installed")
     return os.path.join(next(iter(spec.submodule_search_locations)), "autorun")

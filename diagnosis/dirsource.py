@@ -32,10 +32,10 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from diagnosis.signals import Scrape, Window, window_of
-from exporter import catalogue as cat
-from exporter.collectors import snapshot
-from exporter.collectors.trainer import (
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.diagnosis.signals import Scrape, Window, window_of
+from dataloader_exporter.exporter.collectors import snapshot
+from dataloader_exporter.exporter.collectors.trainer import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_SERIES,
     DEFAULT_STALE_AFTER,
@@ -109,7 +109,7 @@ class SnapshotDir:
         listed, ValueError when it holds no valid snapshot file."""
         self._runs_files = self._valid()
         self.newest = max((m for _, m, _ in self._runs_files), default=None)
-        with _quiet(logging.getLogger("exporter")):
+        with _quiet(logging.getLogger("dataloader_exporter.exporter")):
             text = generate_latest(self.registry).decode()
         scrape = Scrape.parse(text)
         self.earlier = int(scrape.series.get(

@@ -16,15 +16,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from diagnosis import advisor, failures, why
-from diagnosis.jobs import Job, RankTimes, points, rank_times
-from diagnosis.machine import Machine
-from diagnosis.signals import LoaderSignals
-from diagnosis.units import GiB, gib, ms, pct
+from dataloader_exporter.core import advisor, bands
+from dataloader_exporter.diagnosis import failures, why
+from dataloader_exporter.diagnosis.jobs import Job, RankTimes, points, rank_times
+from dataloader_exporter.diagnosis.machine import Machine
+from dataloader_exporter.diagnosis.signals import LoaderSignals
+from dataloader_exporter.diagnosis.units import gib, ms, pct
 
-INPUT_BOUND = 0.20
-MODERATE = 0.05
-SHM_SAFETY = 1.5
+INPUT_BOUND = bands.INPUT_BOUND
+MODERATE = bands.MODERATE
+SHM_SAFETY = bands.SHM_SAFETY
+shm_in_flight = bands.shm_in_flight
+shm_size_advice = bands.shm_size_advice
 FIRST_BATCH_FACTOR = 10.0  # a first batch this many times the median wait is a stall
 FIRST_BATCH_MIN = 0.5  # seconds: shorter first batches are not worth a finding
 STORAGE_WORKERS = advisor.STORAGE_WORKERS
@@ -91,20 +94,6 @@ def _int(text: str | None) -> int | None:
 
 def _flag(text: str | None) -> bool | None:
     return {"true": True, "false": False}.get((text or "").lower())
-
-
-def shm_in_flight(batch_bytes: float, prefetch: int, workers: int, local_ranks: int = 1
-                  ) -> float:
-    """Shared memory the batches in flight may take: batch x prefetch x workers x ranks x 1.5.
-
-    The one formula behind the loader's preflight warning and the doctor's findings.
-    """
-    return batch_bytes * prefetch * workers * local_ranks * SHM_SAFETY
-
-
-def shm_size_advice(needed: float) -> str:
-    """A --shm-size (whole GiB, at least 1g) with headroom for `needed` bytes."""
-    return f"{max(1, math.ceil(needed * 1.25 / GiB))}g"
 
 
 def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1,

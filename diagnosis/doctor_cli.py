@@ -8,11 +8,11 @@ import sys
 import time
 from collections.abc import Callable
 
-from diagnosis import dirsource, promsource
-from diagnosis.machine import local_machine
-from diagnosis.report import Report, env_line
-from diagnosis.report import build_report as report_of
-from diagnosis.signals import Scrape, Window, loaders, window_of
+from dataloader_exporter.diagnosis import dirsource, promsource
+from dataloader_exporter.diagnosis.machine import local_machine
+from dataloader_exporter.diagnosis.report import Report, env_line
+from dataloader_exporter.diagnosis.report import build_report as report_of
+from dataloader_exporter.diagnosis.signals import Scrape, Window, loaders, window_of
 
 EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_UNREADABLE = 0, 1, 2
 

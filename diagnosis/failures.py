@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from diagnosis.signals import LoaderSignals
-from diagnosis.units import GiB, gib
-from diagnosis.why import WorkerView, memory_kind
-from exporter import catalogue as cat
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.diagnosis.signals import LoaderSignals
+from dataloader_exporter.diagnosis.units import GiB, gib
+from dataloader_exporter.diagnosis.why import WorkerView, memory_kind
 
 DEATHS = ("oom", "killed", "crash", "shm")  # causes a worker may die of (error: it raised)
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from diagnosis.signals import LoaderSignals
+from dataloader_exporter.core import bands
+from dataloader_exporter.diagnosis.signals import LoaderSignals
 
-STRAGGLER = 0.05  # of the batch period: the "moderately input-bound" band, for the others
+STRAGGLER = bands.STRAGGLER  # of the batch period
 
 
 def points(share: float) -> int:

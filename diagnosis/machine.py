@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from diagnosis.advisor import Cpu, local_cpu
-from exporter.facts.memory import host_memory
-from exporter.facts.shm import SHM_PATH, shm_space
-from exporter.facts.storage import storage_kind
+from dataloader_exporter.core.advisor import Cpu, local_cpu
+from dataloader_exporter.core.facts.memory import host_memory
+from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
+from dataloader_exporter.core.facts.storage import storage_kind
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from diagnosis.signals import Labels, Series, Window
-from exporter import catalogue as cat
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.diagnosis.signals import Labels, Series, Window
 
 # Counters and histogram parts read as increases; everything else as latest values.
 _INCREASE = [cat.TIME, cat.STEP, cat.BATCHES, cat.SAMPLES, cat.EPOCHS, cat.TRANSFER_BYTES,

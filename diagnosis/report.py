@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from diagnosis.doctor import VERDICTS, Diagnosis, diagnose, verdict
-from diagnosis.jobs import Job, jobs
-from diagnosis.machine import Machine
-from diagnosis.signals import LoaderSignals
-from diagnosis.units import gib, ms, pct
-from diagnosis.why import NONE, WorkerView, memory_kind
-from exporter.loadersettings import ENV_SETTINGS, SETTINGS, SettingsError, format_settings
+from dataloader_exporter.core.env import ENV_SETTINGS
+from dataloader_exporter.core.settings import SETTINGS, SettingsError, format_settings
+from dataloader_exporter.diagnosis.doctor import VERDICTS, Diagnosis, diagnose, verdict
+from dataloader_exporter.diagnosis.jobs import Job, jobs
+from dataloader_exporter.diagnosis.machine import Machine
+from dataloader_exporter.diagnosis.signals import LoaderSignals
+from dataloader_exporter.diagnosis.units import gib, ms, pct
+from dataloader_exporter.diagnosis.why import NONE, WorkerView, memory_kind
 
 
 @dataclass

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from diagnosis.workersignals import WorkerSignals, read_failures, read_workers
-from exporter import catalogue as cat
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.diagnosis.workersignals import WorkerSignals, read_failures, read_workers
 
 Labels = tuple[tuple[str, str], ...]
 Series = dict[tuple[str, Labels], float]

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from diagnosis.signals import LoaderSignals, Scrape, Window, loaders
+from dataloader_exporter.diagnosis.signals import LoaderSignals, Scrape, Window, loaders
 
 HEADER = (f"{'LOADER':<16} {'RANK':>4} {'STALL':>6} {'FETCH P95':>10} {'BATCH/S':>8} "
           f"{'SAMPLE/S':>9} {'WORKERS':>8} {'SHM':>5} {'GPU':>5}")

@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from diagnosis import advisor
-from diagnosis.machine import Machine
-from diagnosis.signals import LoaderSignals
-from diagnosis.units import gib, pct
+from dataloader_exporter.core import advisor
+from dataloader_exporter.diagnosis.machine import Machine
+from dataloader_exporter.diagnosis.signals import LoaderSignals
+from dataloader_exporter.diagnosis.units import gib, pct
 
 # Of their wall time runnable but not running: on an uncrowded machine the run-queue delay
 # is a few percent; a quarter means each worker gets at most three quarters of its CPU.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from exporter import catalogue as cat
+from dataloader_exporter.core import catalogue as cat
 
 Series = Mapping[tuple[str, tuple[tuple[str, str], ...]], float]
 

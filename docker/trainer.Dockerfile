@@ -11,6 +11,7 @@ RUN python -m venv /opt/venv \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY dataloader_exporter ./dataloader_exporter
+COPY core ./core
 COPY exporter ./exporter
 COPY diagnosis ./diagnosis
 COPY instrument ./instrument

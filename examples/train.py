@@ -16,9 +16,9 @@ import time
 import torch
 from prometheus_client import generate_latest
 
-import instrument
-from diagnosis.signals import Scrape, Window, loaders
-from instrument.demo import NoisyImages, model, train_step
+from dataloader_exporter import instrument
+from dataloader_exporter.demo import NoisyImages, model, train_step
+from dataloader_exporter.diagnosis.signals import Scrape, Window, loaders
 
 
 def summary(name: str) -> str:

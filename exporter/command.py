@@ -11,13 +11,14 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
-from exporter import __version__, config
-from exporter.collectors.trainer import TrainerCollector
-from exporter.http import ServerHandle, serve
-from exporter.loadersettings import log_name
-from exporter.sources import attach, system_sources
+from dataloader_exporter import __version__
+from dataloader_exporter.core.settings import log_name
+from dataloader_exporter.exporter import config
+from dataloader_exporter.exporter.collectors.trainer import TrainerCollector
+from dataloader_exporter.exporter.http import ServerHandle, serve
+from dataloader_exporter.exporter.sources import attach, system_sources
 
-log = logging.getLogger("exporter")
+log = logging.getLogger("dataloader_exporter.exporter")
 
 
 DESCRIPTION = ("Serve trainer snapshot files together with GPU, /dev/shm and host metrics "

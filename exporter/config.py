@@ -14,11 +14,15 @@ import logging
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from exporter.collectors.trainer import (
+from dataloader_exporter.core.env import ENV_DIR, ENV_PREFIX
+from dataloader_exporter.core.facts.shm import SHM_PATH
+from dataloader_exporter.core.problems import Problems
+from dataloader_exporter.core.settings import log_name
+from dataloader_exporter.exporter.collectors.trainer import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_SERIES,
     DEFAULT_STALE_AFTER,
@@ -26,28 +30,20 @@ from exporter.collectors.trainer import (
     KEEP_FAILED_FOR,
     default_remove_after,
 )
-from exporter.facts.shm import SHM_PATH
-from exporter.http import Limits
-from exporter.loadersettings import log_name
+from dataloader_exporter.exporter.http import Limits
 
 if TYPE_CHECKING:
-    from exporter.webconfig import WebConfig
+    from dataloader_exporter.exporter.webconfig import WebConfig
 
 DEFAULT_PORT = 9478
 DEFAULT_ADDRESS = f":{DEFAULT_PORT}"
 COLLECTORS = ("trainer", "gpu", "shm", "host")
 LOG_LEVELS = ("debug", "info", "warn", "error")
-ENV_PREFIX = "DATALOADER_EXPORTER_"
 # The trainer and the sidecar read the same variable for the snapshot directory.
-ENV_DIR = ENV_PREFIX + "DIR"
 
 
-class ConfigError(ValueError):
+class ConfigError(Problems):
     """One or more problems with flags or environment variables, one per line."""
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = list(problems)
 
 
 @dataclass(frozen=True)
@@ -285,7 +281,9 @@ def build(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
     web_file = pick("web_config_file", "WEB_CONFIG_FILE") or None
     web = None
     if web_file is not None:
-        from exporter import webconfig  # PyYAML and bcrypt load only when asked for
+        from dataloader_exporter.exporter import (
+            webconfig,  # PyYAML and bcrypt load only when asked for
+        )
 
         try:
             web = webconfig.load(web_file)

@@ -38,12 +38,12 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from exporter.httpconn import WAITERS, Server
+from dataloader_exporter.exporter.httpconn import WAITERS, Server
 
 if TYPE_CHECKING:  # loading a web config (PyYAML, bcrypt) is exporter.webconfig's job
-    from exporter.webconfig import WebConfig
+    from dataloader_exporter.exporter.webconfig import WebConfig
 
-log = logging.getLogger("exporter")
+log = logging.getLogger("dataloader_exporter.exporter")
 
 _MAX_HEAD = 16 * 1024  # request line and headers; Prometheus sends a few hundred bytes
 _RESERVED_FDS = 64  # for everything else: snapshot files, /proc, NVML, logs

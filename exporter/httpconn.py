@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, cast
 
 from prometheus_client import CollectorRegistry
 
-from exporter import __version__
-from exporter.collectors.base import LogOnce
-from exporter.httpwire import (
+from dataloader_exporter import __version__
+from dataloader_exporter.exporter.collectors.base import LogOnce
+from dataloader_exporter.exporter.httpwire import (
     REASONS,
     TEXT,
     Reply,
@@ -29,14 +29,14 @@ from exporter.httpwire import (
     parse_head,
     response_head,
 )
-from exporter.scrape import SingleFlight, content_type
+from dataloader_exporter.exporter.scrape import SingleFlight, content_type
 
 if TYPE_CHECKING:
-    from exporter.basicauth import CheckQueue
-    from exporter.http import Limits
-    from exporter.webconfig import WebConfig
+    from dataloader_exporter.exporter.basicauth import CheckQueue
+    from dataloader_exporter.exporter.http import Limits
+    from dataloader_exporter.exporter.webconfig import WebConfig
 
-log = logging.getLogger("exporter")
+log = logging.getLogger("dataloader_exporter.exporter")
 
 _INDEX = """<!doctype html>
 <html><head><title>dataloader-exporter</title></head>
@@ -90,7 +90,9 @@ class Server:
         self.bcrypt = ThreadPoolExecutor(1, thread_name_prefix="dataloader-exporter-auth")
         self.checks: CheckQueue | None = None  # password checks: fair, bounded
         if web is not None:
-            from exporter.basicauth import CheckQueue  # with its bcrypt: loaded by web already
+            from dataloader_exporter.exporter.basicauth import (
+                CheckQueue,  # with its bcrypt: loaded by web already
+            )
             self.checks = CheckQueue(self.bcrypt, _BCRYPT_QUEUE)
         self.flight = SingleFlight(registry, self.executor)
         self.conns: set[Conn] = set()  # admitted, counted against the cap
@@ -292,7 +294,7 @@ class Server:
         header = request.headers.get("authorization")
         if web is None or checks is None or web.known(header):  # no users, or cached
             return None
-        from exporter.basicauth import parse_basic  # loaded with the web config
+        from dataloader_exporter.exporter.basicauth import parse_basic  # loaded with the web config
 
         if parse_basic(header) is None:  # no credentials: no check, nothing to count
             return 401

@@ -19,7 +19,7 @@ from concurrent.futures import Executor
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric as Family
 
-from exporter import exposition
+from dataloader_exporter.exporter import exposition
 
 # A format is (openmetrics, gzipped).
 Format = tuple[bool, bool]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
+from dataloader_exporter.core.facts.shm import SHM_PATH
+
 from .collectors.base import SourceCollector
 from .collectors.gpu import GpuCollector
 from .collectors.host import HostCollector
 from .collectors.shm import ShmCollector
 from .collectors.supervisor import Supervisor
-from .facts.shm import SHM_PATH
 
 
 def system_sources(shm_path: str = SHM_PATH, gpu: bool = True, shm: bool = True,

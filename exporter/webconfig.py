@@ -29,7 +29,8 @@ from typing import Any
 
 import yaml
 
-from exporter.basicauth import MAX_COST, BasicAuth
+from dataloader_exporter.core.problems import Problems
+from dataloader_exporter.exporter.basicauth import MAX_COST, BasicAuth
 
 T = "tls_server_config"
 TOP_KEYS = (T, "http_server_config", "basic_auth_users", "rate_limit")
@@ -53,12 +54,8 @@ VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1,
 BCRYPT_HASH = re.compile(r"\$2[abxy]\$([0-9]{2})\$[./A-Za-z0-9]{53}")
 
 
-class WebConfigError(ValueError):
+class WebConfigError(Problems):
     """One or more problems with a web config file, one line each."""
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = list(problems)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Instrumentation for PyTorch DataLoaders: change one import line.
 
-    from instrument import DataLoader          # instead of torch.utils.data.DataLoader
+    from dataloader_exporter import DataLoader          # instead of torch.utils.data.DataLoader
     loader = DataLoader(ds, batch_size=64, num_workers=4, name="train")
 
 or, for a loader built elsewhere, ``loader = instrument.wrap(loader, name="train")``; or

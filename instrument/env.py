@@ -1,4 +1,4 @@
-"""Where the loader runs: its rank (machine facts live in exporter.facts)."""
+"""Where the loader runs: its rank (machine facts live in core.facts)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.utils.data
 
-from exporter.loadersettings import (
+from dataloader_exporter.core.settings import (
     ENV_SETTINGS,
     NEEDS_WORKERS,
     SETTINGS,
@@ -30,7 +30,7 @@ from exporter.loadersettings import (
     parse,
 )
 
-log = logging.getLogger("instrument")
+log = logging.getLogger("dataloader_exporter.instrument")
 
 _TORCH = inspect.signature(torch.utils.data.DataLoader.__init__)
 _parsed: dict[str, tuple[Setting, ...]] = {}

@@ -3,10 +3,10 @@
 A worker that dies leaves an exit status (read without reaping it, or from torch's own
 Process object once torch reaped it) and sometimes torch's words in the exception the
 loop gets; a worker that fails without dying leaves only the exception. The causes
-(exporter.catalogue.FAILURE_CAUSES):
+(core.catalogue.FAILURE_CAUSES):
 
 - oom: killed by SIGKILL after the kernel's OOM-kill count of our memory cgroup rose
-  since the worker was last seen alive (exporter.facts.cgroup); a rise is claimed once in
+  since the worker was last seen alive (core.facts.cgroup); a rise is claimed once in
   the process; never claimed without that count, and a count not read lately gives no
   cause at all rather than a guess either way;
 - killed: killed by SIGKILL while that count did not rise, or by another signal that
@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from diagnosis.doctor import SHM_SAFETY, shm_size_advice
-from exporter.facts.cgroup import OomKills
-from exporter.facts.shm import ShmSpace
+from dataloader_exporter.core.bands import SHM_SAFETY, shm_size_advice
+from dataloader_exporter.core.facts.cgroup import OomKills
+from dataloader_exporter.core.facts.shm import ShmSpace
 
 from .env import human_bytes
 from .preflight import LoaderConfig, shm_needed

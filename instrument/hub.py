@@ -19,20 +19,21 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, write_to_textfile
 
-from exporter.collectors.supervisor import Supervisor
-from exporter.facts.shm import SHM_PATH
-from exporter.http import IN_PROCESS, ServerHandle
-from exporter.http import serve as http_serve
-from exporter.sources import attach, system_sources
+from dataloader_exporter.core.facts.shm import SHM_PATH
+
+if TYPE_CHECKING:  # the server is loaded by serve() only: the drop-in does not pay for it
+    from dataloader_exporter.exporter.collectors.supervisor import Supervisor
+    from dataloader_exporter.exporter.http import ServerHandle
 
 from .env import local_rank
 from .failures import is_torch_worker_error
 from .recorder import LoaderCollector, LoaderRecorder
 
-log = logging.getLogger("instrument")
+log = logging.getLogger("dataloader_exporter.instrument")
 
 SNAPSHOT_INTERVAL = 1.0
 
@@ -115,6 +116,10 @@ class Hub:
         --web.config.file does. Raises OSError when the port is taken by anything else,
         exporter.webconfig.WebConfigError (a ValueError) when the web config is bad.
         """
+        from dataloader_exporter.exporter.http import IN_PROCESS
+        from dataloader_exporter.exporter.http import serve as http_serve
+        from dataloader_exporter.exporter.sources import attach, system_sources
+
         port = rank_port(port)
         with self._lock:
             handle = self._servers.get((addr, port)) if port else None
@@ -126,7 +131,7 @@ class Hub:
             if handle is None or handle.closed:
                 web = None
                 if web_config_file is not None:  # loaded for a new server only
-                    from exporter import webconfig
+                    from dataloader_exporter.exporter import webconfig
 
                     web = webconfig.load(web_config_file)
                 handle = http_serve(self.registry, addr, port, web, IN_PROCESS)

@@ -24,9 +24,9 @@ import torch
 import torch.utils.data
 from torch.utils.data import default_collate
 
-from exporter.config import ENV_DIR
-from exporter.facts.shm import SHM_PATH, shm_space
-from exporter.loadersettings import log_name
+from dataloader_exporter.core.env import ENV_DIR
+from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
+from dataloader_exporter.core.settings import log_name
 
 from . import compat, envsettings, failures, zerocode
 from .batch import batch_len, batch_nbytes, collated_len, item_len, loader_len, move
@@ -41,7 +41,7 @@ from .workers import TimedCollate, new_block
 T_co = TypeVar("T_co", covariant=True)
 Counter = Callable[[Any], "int | None"]
 
-log = logging.getLogger("instrument")
+log = logging.getLogger("dataloader_exporter.instrument")
 
 BYTES_EVERY = 64  # batches between two samples of the batch size in bytes
 MAX_PENDING_EVENTS = 4096  # CUDA event pairs kept waiting before the oldest are dropped

@@ -70,7 +70,7 @@ def role_from_stack(depth: int = STACK_DEPTH) -> str | None:
 LIBRARIES = frozenset({
     "torch", "torchdata", "webdataset", "datasets", "litdata", "streaming", "timm",
     "lightning", "lightning_fabric", "pytorch_lightning", "accelerate", "transformers",
-    "instrument", "exporter", "dataloader_exporter", "diagnosis", "dashboards",
+    "dataloader_exporter",
     "_pytest", "pytest", "pluggy", "runpy", "importlib"}) | frozenset(sys.stdlib_module_names)
 
 

@@ -12,14 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from diagnosis import advisor
-from diagnosis.doctor import SHM_SAFETY, shm_in_flight, shm_size_advice
-from exporter.facts.shm import SHM_PATH, ShmSpace, shm_space
-from exporter.loadersettings import log_name
+from dataloader_exporter.core import advisor
+from dataloader_exporter.core.bands import SHM_SAFETY, shm_in_flight, shm_size_advice
+from dataloader_exporter.core.facts.shm import SHM_PATH, ShmSpace, shm_space
+from dataloader_exporter.core.settings import log_name
 
 from .env import human_bytes, local_world_size
 
-log = logging.getLogger("instrument")
+log = logging.getLogger("dataloader_exporter.instrument")
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ import numpy as np
 from prometheus_client.metrics_core import Metric as Family
 from prometheus_client.registry import Collector
 
-from exporter import catalogue as cat
-from exporter.collectors.base import family
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.exporter.collectors.base import family
 
 from .tracker import WorkerTracker
 

@@ -7,10 +7,14 @@ serve, without one.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry
 
-from exporter.facts.shm import SHM_PATH
-from exporter.http import ServerHandle
+from dataloader_exporter.core.facts.shm import SHM_PATH
+
+if TYPE_CHECKING:
+    from dataloader_exporter.exporter.http import ServerHandle
 
 from .hub import hub_for
 

@@ -32,10 +32,10 @@ import numpy as np
 import psutil
 import torch
 
-from exporter.catalogue import FAILURE_CAUSES
-from exporter.facts.cgroup import memory_room as cgroup_room
-from exporter.facts.memory import host_memory
-from exporter.facts.shm import SHM_PATH, shm_space
+from dataloader_exporter.core.catalogue import FAILURE_CAUSES
+from dataloader_exporter.core.facts.cgroup import memory_room as cgroup_room
+from dataloader_exporter.core.facts.memory import host_memory
+from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
 
 from .failures import CRASH, SHM_SMALL, cause_of_exit, is_torch_worker_error, oom_watch
 from .procstat import Figures, ProcAccount
@@ -77,7 +77,7 @@ def _shm_full(path: str = SHM_PATH) -> bool:
 
 
 def memory_room() -> int | None:
-    """What this process's container may still allocate (exporter.facts.cgroup)."""
+    """What this process's container may still allocate (core.facts.cgroup)."""
     try:
         total, available = host_memory()
         return cgroup_room(total, available)

@@ -47,12 +47,13 @@ from typing import Any
 
 import torch.utils.data
 
-from exporter.loadersettings import ENV_SETTINGS, log_name
+from dataloader_exporter.core.env import ENV_SETTINGS
+from dataloader_exporter.core.settings import log_name
 
 from . import envsettings
 from .naming import built_by_framework, class_name, role_from_stack, site_name
 
-log = logging.getLogger("instrument")
+log = logging.getLogger("dataloader_exporter.instrument")
 
 _MARK = "__dataloader_exporter_original__"
 # A class attribute of loaders that time themselves (instrument.DataLoader): not hooked.

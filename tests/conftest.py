@@ -22,7 +22,8 @@ def registry() -> Iterator[CollectorRegistry]:
     after the test, so that they do not load the machine for every later test."""
     reg = CollectorRegistry()
     yield reg
-    hub = sys.modules.get("instrument.hub")  # none without the instrumentation imported
+    # none without the instrumentation imported
+    hub = sys.modules.get("dataloader_exporter.instrument.hub")
     if hub is not None:
         hub.hub_for(reg).close()
 

@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, DistributedSampler
 
-import instrument
-from exporter import catalogue as cat
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
 
 
 class Samples(Dataset):  # type: ignore[type-arg]

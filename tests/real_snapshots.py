@@ -11,8 +11,8 @@ from pathlib import Path
 from helpers import SleepDataset
 from prometheus_client import CollectorRegistry
 
-import instrument
-from instrument.hub import hub_for
+from dataloader_exporter import instrument
+from dataloader_exporter.instrument.hub import hub_for
 
 # (loader name, num_workers); 0 workers gives a file without per-worker series.
 Loaders = Sequence[tuple[str, int]]
@@ -29,7 +29,8 @@ def real_snapshot(rank: str = "0", loaders: Loaders = (("t", 2),), batches: int 
     """
     saved = os.environ.get("RANK")
     os.environ["RANK"] = rank
-    logging.getLogger("instrument").setLevel(logging.ERROR)  # no advice in test logs
+    # no advice in test logs
+    logging.getLogger("dataloader_exporter.instrument").setLevel(logging.ERROR)
     try:
         registry = CollectorRegistry()
         for name, workers in loaders:
@@ -47,7 +48,7 @@ def real_snapshot(rank: str = "0", loaders: Loaders = (("t", 2),), batches: int 
             writer.close()  # stops the thread after one last write
             return Path(writer.path).read_bytes()
     finally:
-        logging.getLogger("instrument").setLevel(logging.NOTSET)
+        logging.getLogger("dataloader_exporter.instrument").setLevel(logging.NOTSET)
         if saved is None:
             os.environ.pop("RANK", None)
         else:

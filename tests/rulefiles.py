@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from dashboards import build
+from dataloader_exporter.dashboards import build
 
 FILES = build.files()
 

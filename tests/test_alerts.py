@@ -10,11 +10,11 @@ import yaml
 from rulefiles import FILES, promtool_run, write_rule_file
 from test_dashboards import known_series, metric_names
 
-from dashboards import model
-from dashboards.alert_cases import CASES
-from dashboards.alerting import EXPR_UID, expand, prometheus_rules
-from dashboards.alerts import ALERTS
-from exporter import catalogue as cat
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.dashboards import model
+from dataloader_exporter.dashboards.alert_cases import CASES
+from dataloader_exporter.dashboards.alerting import EXPR_UID, expand, prometheus_rules
+from dataloader_exporter.dashboards.alerts import ALERTS
 
 GRAFANA = yaml.safe_load(FILES["grafana/provisioning/alerting/alerts.yaml"])
 RULES = yaml.safe_load(FILES["prometheus/rules.yml"])

@@ -25,9 +25,16 @@ from pathlib import Path
 import bcrypt
 from prometheus_client import CollectorRegistry
 
-from exporter import webconfig
-from exporter.basicauth import BURST, MAX_LEVEL, PEERS, REFILL, CheckQueue, Failures
-from exporter.http import serve
+from dataloader_exporter.exporter import webconfig
+from dataloader_exporter.exporter.basicauth import (
+    BURST,
+    MAX_LEVEL,
+    PEERS,
+    REFILL,
+    CheckQueue,
+    Failures,
+)
+from dataloader_exporter.exporter.http import serve
 
 ATTACKERS = 16
 SCRAPES = 10  # the good client's, one a second, each as a new user: never cached

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from exporter import catalogue as cat
+from dataloader_exporter.core import catalogue as cat
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT_SUFFIX = {"seconds": "_seconds", "bytes": "_bytes", "ratio": "_ratio",
@@ -27,7 +27,7 @@ def test_names_follow_prometheus_conventions() -> None:
 
 def test_no_metric_name_is_typed_outside_the_catalogue() -> None:
     names = {m.name for m in cat.ALL} | {m.family for m in cat.ALL}
-    for package in ("exporter", "instrument", "dashboards"):
+    for package in ("core", "exporter", "instrument", "diagnosis", "dashboards"):
         for path in (REPO / package).rglob("*.py"):
             if path.name == "catalogue.py":
                 continue
@@ -38,4 +38,5 @@ def test_no_metric_name_is_typed_outside_the_catalogue() -> None:
 
 def test_readme_metric_table_is_the_generated_one() -> None:
     readme = (REPO / "README.md").read_text()
-    assert cat.markdown_table() in readme, "regenerate with: python -m exporter.catalogue"
+    assert cat.markdown_table() in readme, \
+        "regenerate with: python -m dataloader_exporter.core.catalogue"

@@ -11,8 +11,8 @@ import pytest
 from fake_nvml import FakeGpu, FakeNvml, NVMLError, NVMLError_NotSupported
 from prometheus_client import CollectorRegistry, generate_latest
 
-from exporter import catalogue as c
-from exporter.collectors.gpu import GpuCollector
+from dataloader_exporter.core import catalogue as c
+from dataloader_exporter.exporter.collectors.gpu import GpuCollector
 
 A100 = FakeGpu("GPU-aaaa", name="NVIDIA A100-SXM4-80GB", util=75, mem_util=30,
                used=10 * 2**30, total=80 * 2**30, rx_kb=2048, tx_kb=512, temp=65,
@@ -49,7 +49,7 @@ def scrape(registry: CollectorRegistry) -> None:
 
 
 def gpu_log_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "exporter.gpu"]
+    return [r.getMessage() for r in caplog.records if r.name == "dataloader_exporter.exporter.gpu"]
 
 
 def make(*gpus: FakeGpu, call_timeout: float = 5.0, retry_interval: float = 30.0,

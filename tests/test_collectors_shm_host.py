@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from exporter import catalogue as c
-from exporter.collectors.host import HostCollector
-from exporter.collectors.shm import ShmCollector
+from dataloader_exporter.core import catalogue as c
+from dataloader_exporter.exporter.collectors.host import HostCollector
+from dataloader_exporter.exporter.collectors.shm import ShmCollector
 
 # A 64 MiB /dev/shm (Docker's default) in 4 KiB blocks: 4096 blocks free, 4000 of them
 # available to unprivileged users.
@@ -91,7 +91,7 @@ def test_a_missing_shm_path_emits_nothing_and_logs_once(
         assert generate_latest(registry) == b""
     assert collector.up is False
     assert collector.errors == 3
-    assert len(log_lines(caplog, "exporter.shm")) == 1
+    assert len(log_lines(caplog, "dataloader_exporter.exporter.shm")) == 1
 
 
 def test_the_real_dev_shm_has_a_positive_size() -> None:
@@ -192,7 +192,7 @@ def test_unreadable_meminfo_is_an_error_logged_once_but_cgroup_is_still_reported
     assert registry.get_sample_value(c.CGROUP_MEMORY_USAGE.name) == 4096
     assert collector.up is False
     assert collector.errors == 5  # every scrape, get_sample_value's included
-    assert len(log_lines(caplog, "exporter.host")) == 1
+    assert len(log_lines(caplog, "dataloader_exporter.exporter.host")) == 1
 
 
 def test_the_real_proc_reports_a_positive_memtotal() -> None:

@@ -27,9 +27,9 @@ import yaml
 from conftest import require_binary
 from procs import REPO, Exporter, Prometheus, free_port, http_get, scalar
 
-from dashboards import kubernetes
-from exporter import catalogue as cat
-from exporter import webconfig
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.dashboards import kubernetes
+from dataloader_exporter.exporter import webconfig
 
 COMPOSE = Path(compose.__file__).parent / "docker-compose"
 ENV = {**os.environ, "GRAFANA_ADMIN_PASSWORD": "test-only-password"}

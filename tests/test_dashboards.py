@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-from dashboards import build, dcgm, model, recording
-from dashboards.render import render
-from exporter import catalogue as cat
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.dashboards import build, dcgm, model, recording
+from dataloader_exporter.dashboards.render import render
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -292,6 +292,7 @@ def test_the_compose_stack_mounts_what_is_generated_where_grafana_looks() -> Non
 
 
 def test_the_serve_command_does_not_import_grafanalib() -> None:
-    code = ("import sys, dataloader_exporter.cli, exporter.command, exporter.catalogue; "
-            "sys.exit('grafanalib' in sys.modules or 'dashboards' in sys.modules)")
+    code = ("import sys, dataloader_exporter.cli, dataloader_exporter.exporter.command, "
+            "dataloader_exporter.core.catalogue; sys.exit('grafanalib' in sys.modules or "
+            "'dataloader_exporter.dashboards' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0

@@ -19,17 +19,17 @@ import pytest
 from conftest import require_binary
 from procs import REPO, Exporter, Prometheus, finish, scalar
 
-from dashboards import build, recording
-from dashboards.alerts import ALERTS
-from dashboards.render import render
-from exporter import catalogue as cat
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.dashboards import build, recording
+from dataloader_exporter.dashboards.alerts import ALERTS
+from dataloader_exporter.dashboards.render import render
 
 TARGET = "dashboards-live"
 # A trainer that keeps training until told to stop (or 600 s pass): 2 workers, epochs of
 # 8 batches, to_device onto the meta device so transfer metrics exist, a 5 ms "step".
 TRAINER = """
 import os, sys, time
-import instrument
+from dataloader_exporter import instrument
 from helpers import SleepDataset
 metrics_dir, stop = sys.argv[1], sys.argv[2]
 loader = instrument.DataLoader(SleepDataset(32, 0.002), batch_size=4, num_workers=2,

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from test_dashboards import RENDERED, REPO, variables
 
-from dashboards import model
-from dashboards.render import SCHEMA_VERSION
+from dataloader_exporter.dashboards import model
+from dataloader_exporter.dashboards.render import SCHEMA_VERSION
 
 REFERENCE = Path(os.environ.get(
     "GRAFANA_REFERENCE_DASHBOARD",

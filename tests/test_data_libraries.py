@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-import instrument
-from exporter import catalogue as cat
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
 
 L = {"loader": "t", "rank": "0"}
 
@@ -269,7 +269,7 @@ class Other:
 
 def test_chain_methods_after_wrap_keep_measuring_or_say_they_stopped(
         registry: CollectorRegistry, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, "instrument")
+    caplog.set_level(logging.WARNING, "dataloader_exporter.instrument")
     ours = instrument.wrap(Fluid(2), name="t", registry=registry)
     assert ours.same() is ours
     more = ours.more().more()
@@ -404,14 +404,14 @@ def _t(*shape: int) -> torch.Tensor:
 ])
 def test_sample_counts_are_given_only_where_the_batch_shows_them(
         batch: Any, custom: int | None, item: int | None) -> None:
-    from instrument.batch import batch_len, item_len, loader_len
+    from dataloader_exporter.instrument.batch import batch_len, item_len, loader_len
 
     assert batch_len(batch) == loader_len(batch) == custom
     assert item_len(batch) == item
 
 
 def test_default_collate_is_counted_by_its_first_column_whatever_the_sample() -> None:
-    from instrument.batch import collated_len
+    from dataloader_exporter.instrument.batch import collated_len
 
     samples = [{"text": f"r{i}", "ids": [i, i + 1], "label": i % 2, "raw": b"x"}
                for i in range(5)]

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from procs import REPO, Exporter, Prometheus, free_port
 
-from dashboards import recording
-from dashboards.alerts import ALERTS
-from exporter import catalogue as cat
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.dashboards import recording
+from dataloader_exporter.dashboards.alerts import ALERTS
 
 TARGET = "ddp"
 SLOW, EVEN = "ddp-slow", "ddp-even"

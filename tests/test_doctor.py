@@ -18,11 +18,11 @@ from helpers import SleepDataset, small_tmpfs
 from procs import REPO, Prometheus
 from prometheus_client import CollectorRegistry
 
-import instrument
-from diagnosis.doctor import diagnose
-from diagnosis.machine import Machine
-from diagnosis.signals import LoaderSignals, quantile
-from exporter.facts.storage import storage_kind
+from dataloader_exporter import instrument
+from dataloader_exporter.core.facts.storage import storage_kind
+from dataloader_exporter.diagnosis.doctor import diagnose
+from dataloader_exporter.diagnosis.machine import Machine
+from dataloader_exporter.diagnosis.signals import LoaderSignals, quantile
 
 INTERVAL = 1.5
 TOP_KEYS = {"healthy", "machine", "jobs", "loaders", "source", "whole_run"}
@@ -138,7 +138,7 @@ def test_a_killed_worker_is_reported_as_lost(served: tuple[CollectorRegistry, st
     reg, url = served
     loader = instrument.DataLoader(SleepDataset(200, 0.05), batch_size=1, num_workers=2,
                                    persistent_workers=True, name="lost", registry=reg)
-    from instrument import compat
+    from dataloader_exporter.instrument import compat
 
     def train() -> None:
         it = iter(loader)

@@ -16,12 +16,19 @@ import pytest
 from helpers import deadline_poll, parse
 from procs import REPO, Exporter, finish
 
-from diagnosis import top
-from diagnosis.machine import Machine
-from diagnosis.report import build_report
-from diagnosis.signals import Labels, LoaderSignals, Scrape, Series, loaders, window_of
-from exporter import catalogue as cat
-from exporter.loadersettings import ENV_SETTINGS
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.core.env import ENV_SETTINGS
+from dataloader_exporter.diagnosis import top
+from dataloader_exporter.diagnosis.machine import Machine
+from dataloader_exporter.diagnosis.report import build_report
+from dataloader_exporter.diagnosis.signals import (
+    Labels,
+    LoaderSignals,
+    Scrape,
+    Series,
+    loaders,
+    window_of,
+)
 
 # A training script: iterates `epochs` epochs of a loader named "train" (or, with a stop
 # file, until it appears), then writes what it handed out to truth.json and exits; the
@@ -29,7 +36,7 @@ from exporter.loadersettings import ENV_SETTINGS
 TRAIN = """
 import json, sys, time
 from pathlib import Path
-import instrument
+from dataloader_exporter import instrument
 from helpers import SleepDataset
 a = json.loads(sys.argv[1])
 loader = instrument.DataLoader(SleepDataset(a["n"], a["delay"]), batch_size=a["batch_size"],
@@ -349,7 +356,7 @@ def test_a_report_of_unknown_samples_says_unknown_and_null() -> None:
 STEADY = """
 import sys, time
 from pathlib import Path
-import instrument
+from dataloader_exporter import instrument
 from helpers import SleepDataset
 loader = instrument.DataLoader(SleepDataset(64), batch_size=4, num_workers=2,
                                persistent_workers=True, name="train", metrics_dir=sys.argv[1])

@@ -7,11 +7,12 @@ import pytest
 from helpers import SleepDataset
 from prometheus_client import CollectorRegistry
 
-import instrument
-from diagnosis.machine import Machine
-from diagnosis.report import build_report, env_line
-from diagnosis.signals import LoaderSignals
-from exporter.loadersettings import ENV_SETTINGS, for_loader, parse
+from dataloader_exporter import instrument
+from dataloader_exporter.core.env import ENV_SETTINGS
+from dataloader_exporter.core.settings import for_loader, parse
+from dataloader_exporter.diagnosis.machine import Machine
+from dataloader_exporter.diagnosis.report import build_report, env_line
+from dataloader_exporter.diagnosis.signals import LoaderSignals
 
 
 def starved(rank: str, workers: int, loader: str = "train") -> LoaderSignals:

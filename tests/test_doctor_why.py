@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from dashboards import promql
-from diagnosis import why
-from diagnosis.doctor import Diagnosis
-from diagnosis.machine import Machine
-from diagnosis.report import Report, build_report, env_line
-from diagnosis.signals import Scrape, Window, loaders
-from exporter import catalogue as cat
-from exporter.loadersettings import for_loader, parse
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.core.settings import for_loader, parse
+from dataloader_exporter.dashboards import promql
+from dataloader_exporter.diagnosis import why
+from dataloader_exporter.diagnosis.doctor import Diagnosis
+from dataloader_exporter.diagnosis.machine import Machine
+from dataloader_exporter.diagnosis.report import Report, build_report, env_line
+from dataloader_exporter.diagnosis.signals import Scrape, Window, loaders
 
 GiB, MiB = 1 << 30, 1 << 20
 SECONDS = 10.0

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from procs import REPO, Exporter, http_get
 
-from exporter import catalogue as cat
-from exporter import config
-from exporter.collectors import trainer
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.exporter import config
+from dataloader_exporter.exporter.collectors import trainer
 
 
 def build(*argv: str, env: dict[str, str] | None = None) -> config.Config:

@@ -11,9 +11,9 @@ from helpers import BurnDataset, wait_for_write
 from procs import Exporter, Prometheus, scalar
 from prometheus_client import CollectorRegistry
 
-import instrument
-from exporter import catalogue as cat
-from instrument.hub import hub_for
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.instrument.hub import hub_for
 
 
 def trainer_run(metrics_dir: Path) -> None:

@@ -19,12 +19,12 @@ from prometheus_client import (
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 
-import instrument
-from exporter import catalogue as cat
-from exporter import exposition
-from exporter.collectors.supervisor import Supervisor
-from exporter.collectors.trainer import TrainerCollector
-from exporter.sources import system_sources
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.exporter import exposition
+from dataloader_exporter.exporter.collectors.supervisor import Supervisor
+from dataloader_exporter.exporter.collectors.trainer import TrainerCollector
+from dataloader_exporter.exporter.sources import system_sources
 
 
 def busy_registry(tmp_path: Path) -> CollectorRegistry:

@@ -19,15 +19,15 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families as text_parse
 
-from exporter import catalogue as cat
-from instrument.hub import Hub, hub_for
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.instrument.hub import Hub, hub_for
 
 # Exactly the README's usage: no registry anywhere, `port=` on the loaders; a third loader
 # on prometheus_client's global REGISTRY (a caller's registry, with its process metrics).
 TRAINER = """
 import os, sys, time
 from prometheus_client import REGISTRY
-from instrument import DataLoader
+from dataloader_exporter import DataLoader
 from helpers import SleepDataset
 train_port, eval_port, global_port = map(int, sys.argv[1:4])
 stop = sys.argv[4]
@@ -123,7 +123,7 @@ def test_a_second_hub_or_system_collector_on_one_registry_is_refused() -> None:
     assert hub_for(registry) is hub
     with pytest.raises(ValueError, match="Duplicated"):
         Hub(registry)
-    from exporter.sources import attach, system_sources
+    from dataloader_exporter.exporter.sources import attach, system_sources
 
     attach(registry, system_sources(gpu=False))
     with pytest.raises(ValueError, match="Duplicated"):

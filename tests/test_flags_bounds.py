@@ -17,10 +17,16 @@ from helpers import SleepDataset
 from procs import REPO, Exporter
 from prometheus_client import CollectorRegistry
 
-import instrument
-from exporter import config
-from exporter.command import bound_address
-from exporter.loadersettings import ENV_SETTINGS, LOG_NAME_CHARS, SettingsError, log_name, parse
+from dataloader_exporter import instrument
+from dataloader_exporter.core.settings import (
+    ENV_SETTINGS,
+    LOG_NAME_CHARS,
+    SettingsError,
+    log_name,
+    parse,
+)
+from dataloader_exporter.exporter import config
+from dataloader_exporter.exporter.command import bound_address
 
 
 def serve(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -161,11 +167,12 @@ def test_a_100_kb_loader_name_is_cut_in_log_lines_but_whole_in_labels(
         registry: CollectorRegistry) -> None:
     name = "n" * 100_000
     monkeypatch.setenv(ENV_SETTINGS, "*.pin_memory=false")
-    caplog.set_level(logging.INFO, "instrument")
+    caplog.set_level(logging.INFO, "dataloader_exporter.instrument")
     loader = instrument.DataLoader(SleepDataset(4), batch_size=2, name=name, registry=registry,
                                    pin_memory=True)
     assert sum(1 for _ in loader) == 2
-    said = [r.getMessage() for r in caplog.records if r.name.startswith("instrument")]
+    said = [r.getMessage() for r in caplog.records
+            if r.name.startswith("dataloader_exporter.instrument")]
     assert any(f"dataloader '{log_name(name)}': pin_memory=False from" in m for m in said), said
     assert any(f"dataloader '{log_name(name)}': num_workers=0" in m for m in said), said
     assert all(len(m) < 2000 for m in said)

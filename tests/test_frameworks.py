@@ -15,8 +15,8 @@ from conftest import require_module
 from procs import REPO, SCRIPTS, Run, built_at, run_script
 from prometheus_client import CollectorRegistry
 
-from exporter import catalogue as cat
-from instrument import zerocode
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.instrument import zerocode
 
 ACCELERATE_LOADER = built_at("accelerate_train.py", "loader = DataLoader(", "main(sys.argv[1])")
 
@@ -117,7 +117,7 @@ def test_accelerate_copies_of_instrumented_and_wrapped_loaders_are_measured(
     accelerate = require_module("accelerate")
     import torch
 
-    import instrument
+    from dataloader_exporter import instrument
 
     sys.path.insert(0, str(SCRIPTS))
     try:

@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter import catalogue as cat
-from exporter.scrape import SingleFlight
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.exporter.scrape import SingleFlight
 
 FAST = ("--no-collector.gpu", "--web.read-header-timeout=1s", "--web.idle-timeout=1s")
 
@@ -360,8 +360,8 @@ class Gate:
 
 @contextlib.contextmanager
 def gated_server(cap: int, web_file: Path | None = None) -> Iterator[tuple[Gate, object]]:
-    from exporter import webconfig
-    from exporter.http import Limits, serve
+    from dataloader_exporter.exporter import webconfig
+    from dataloader_exporter.exporter.http import Limits, serve
 
     registry, gate = CollectorRegistry(), Gate()
     registry.register(gate)  # type: ignore[arg-type]

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from diagnosis.doctor import diagnose, verdict
-from diagnosis.jobs import job, points
-from diagnosis.machine import Machine
-from diagnosis.report import build_report
-from diagnosis.signals import LoaderSignals
+from dataloader_exporter.diagnosis.doctor import diagnose, verdict
+from dataloader_exporter.diagnosis.jobs import job, points
+from dataloader_exporter.diagnosis.machine import Machine
+from dataloader_exporter.diagnosis.report import build_report
+from dataloader_exporter.diagnosis.signals import LoaderSignals
 
 WINDOW = 10.0
 
@@ -124,14 +124,6 @@ def test_the_local_ranks_of_each_rank_divide_the_cores() -> None:
         "num_workers"] == "12"  # nvme caps it
 
 
-def test_the_doctor_and_the_alert_share_the_straggler_and_stall_thresholds() -> None:
-    from dashboards import overview, promql
-    from diagnosis import doctor, jobs
-
-    assert promql.STRAGGLER == jobs.STRAGGLER
-    assert [v for v, _ in overview.STALL_BANDS[1:]] == [doctor.MODERATE, doctor.INPUT_BOUND]
-
-
 def test_missing_figures_give_no_advice_and_the_report_says_which_rank_and_why() -> None:
     unknown = rank("0", 30, 10, workers=None)
     no_busy = rank("1", 30, 10, workers=2)  # a wrapped loader: no per-worker figures
@@ -164,7 +156,7 @@ def test_a_rank_that_starves_itself_still_gets_advice_beside_a_straggler() -> No
 
 
 def test_local_ranks_are_counted_per_exporter_instance_not_over_the_world() -> None:
-    from diagnosis.promsource import local_ranks_of
+    from dataloader_exporter.diagnosis.promsource import local_ranks_of
 
     rows = [((("instance", f"node-{r // 8}:9478"), ("rank", str(r))), 1.0) for r in range(16)]
     rows += [((("instance", "node-2:9478"), ("rank", "16")), 1.0)]

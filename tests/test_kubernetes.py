@@ -31,8 +31,8 @@ import yaml
 from conftest import require_binary
 from kubernetes_validate.utils import latest_version
 
-from dashboards import build, kubernetes
-from dashboards.model import FOLDER
+from dataloader_exporter.dashboards import build, kubernetes
+from dataloader_exporter.dashboards.model import FOLDER
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "kubernetes"

@@ -9,9 +9,9 @@ import torch
 from helpers import BurnDataset, SleepDataset, refreshes, scrape, value
 from prometheus_client import CollectorRegistry
 
-import instrument
-from exporter import catalogue as cat
-from exporter.facts.shm import SHM_PATH, shm_space
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
 
 L = {"loader": "t", "rank": "0"}
 DEV_SHM = str(shm_space(SHM_PATH).size)  # the trainer's own /dev/shm, in dataloader_info
@@ -218,7 +218,7 @@ class FakeProperties:
 
 
 def test_the_gpu_a_rank_feeds_is_named_by_its_nvml_uuid() -> None:
-    from instrument.gpu import gpu_uuid
+    from dataloader_exporter.instrument.gpu import gpu_uuid
 
     dev = torch.device("cuda", 0)
     uuid = "6e1a4c2d-3b1f-9a0e-55c1-0d2b7f8e9a10"

@@ -28,8 +28,8 @@ from torch.utils.data import BatchSampler, RandomSampler
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data.datapipes.iter import IterableWrapper
 
-import instrument
-from exporter import catalogue as cat
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
 
 WORKERS = [0, 2]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from procs import REPO, Exporter
 
-from exporter import catalogue as cat
-from exporter import config
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.exporter import config
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 

@@ -8,11 +8,16 @@ import pytest
 from helpers import SleepDataset
 from prometheus_client import CollectorRegistry
 
-import instrument
-from diagnosis import advisor
-from diagnosis.advisor import Cpu
-from exporter.facts.shm import ShmSpace
-from instrument.preflight import LoaderConfig, Preflight, shm_needed, shm_size_advice
+from dataloader_exporter import instrument
+from dataloader_exporter.core import advisor
+from dataloader_exporter.core.advisor import Cpu
+from dataloader_exporter.core.facts.shm import ShmSpace
+from dataloader_exporter.instrument.preflight import (
+    LoaderConfig,
+    Preflight,
+    shm_needed,
+    shm_size_advice,
+)
 
 MiB = 1024**2
 
@@ -29,7 +34,7 @@ def run(loader: instrument.DataLoader, epochs: int = 1) -> None:
 
 def test_first_iteration_logs_the_effective_configuration_once(
         registry: CollectorRegistry, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="instrument")
+    caplog.set_level(logging.INFO, logger="dataloader_exporter.instrument")
     run(instrument.DataLoader(SleepDataset(4), batch_size=2, name="t", registry=registry), 3)
     lines = [r.getMessage() for r in caplog.records if "num_workers=0 prefetch_factor" in
              r.getMessage()]

@@ -11,7 +11,7 @@ import yaml
 from rulefiles import FILES, promtool_run, write_rule_file
 from test_dashboards import known_series, metric_names
 
-from dashboards import recording
+from dataloader_exporter.dashboards import recording
 
 
 def test_the_recording_rules_pass_promtool_check_rules(tmp_path: Path, promtool: str) -> None:

@@ -14,7 +14,7 @@ import pytest
 from helpers import SleepDataset, deadline_poll
 from torch.utils.data import DataLoader as TorchDataLoader
 
-import instrument
+from dataloader_exporter import instrument
 
 
 def open_fds() -> int:

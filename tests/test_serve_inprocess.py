@@ -9,8 +9,8 @@ import pytest
 from helpers import SleepDataset, parse
 from prometheus_client import CollectorRegistry
 
-import instrument
-from exporter import catalogue as cat
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
 
 
 def get(url: str, accept: str | None = None) -> tuple[int, str, str]:
@@ -65,7 +65,7 @@ def test_a_client_in_a_tight_loop_waits_its_turn_and_others_are_answered_at_once
     import threading
     import time
 
-    from exporter.http import IN_PROCESS
+    from dataloader_exporter.exporter.http import IN_PROCESS
 
     handle = instrument.serve(0, addr="127.0.0.1", registry=registry)
     answered = 0

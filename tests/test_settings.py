@@ -10,10 +10,16 @@ import torch
 from helpers import SleepDataset
 from prometheus_client import CollectorRegistry
 
-import instrument
-from exporter import catalogue as cat
-from exporter.facts.shm import SHM_PATH, shm_space
-from exporter.loadersettings import ENV_SETTINGS, Setting, SettingsError, format_settings, parse
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
+from dataloader_exporter.core.settings import (
+    ENV_SETTINGS,
+    Setting,
+    SettingsError,
+    format_settings,
+    parse,
+)
 
 
 def test_the_issue_example_parses_to_loader_setting_value() -> None:
@@ -57,7 +63,7 @@ def test_settings_apply_to_an_instrumented_loader_when_it_is_built(
         registry: CollectorRegistry) -> None:
     monkeypatch.setenv(ENV_SETTINGS, "t.num_workers=1,t.prefetch_factor=3,*.pin_memory=false,"
                        "*.persistent_workers=true")
-    caplog.set_level(logging.WARNING, "instrument")
+    caplog.set_level(logging.WARNING, "dataloader_exporter.instrument")
     loader = instrument.DataLoader(SleepDataset(4), batch_size=2, name="t", registry=registry,
                                    pin_memory=True)
     assert (loader.num_workers, loader.prefetch_factor, loader.pin_memory,

@@ -23,11 +23,11 @@ from procs import Exporter
 from prometheus_client import CollectorRegistry
 from real_snapshots import real_snapshot
 
-from exporter import catalogue as cat
-from exporter.collectors import snapshot
-from exporter.collectors.snapshot import Rejected, Stamp
-from exporter.collectors.supervisor import Supervisor
-from exporter.collectors.trainer import (
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.exporter.collectors import snapshot
+from dataloader_exporter.exporter.collectors.snapshot import Rejected, Stamp
+from dataloader_exporter.exporter.collectors.supervisor import Supervisor
+from dataloader_exporter.exporter.collectors.trainer import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_SERIES,
     EMPTY_GRACE,
@@ -290,7 +290,7 @@ def junk(directory: Path, count: int, data: bytes) -> None:
 
 def test_a_thousand_junk_files_log_a_line_a_scrape_with_their_number_and_a_few_names(
         tmp_path: Path, good: bytes, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="exporter")
+    caplog.set_level(logging.INFO, logger="dataloader_exporter.exporter")
     junk(tmp_path, 1000, b"junk\n")
     collector = TrainerCollector(str(tmp_path))
 

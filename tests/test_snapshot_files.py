@@ -22,12 +22,12 @@ from prometheus_client.openmetrics.parser import (
 )
 from real_snapshots import real_snapshot
 
-from exporter import catalogue as cat
-from exporter import exposition
-from exporter.collectors import snapshot
-from exporter.collectors.snapshot import Rejected
-from exporter.collectors.supervisor import Supervisor
-from exporter.collectors.trainer import (
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.exporter import exposition
+from dataloader_exporter.exporter.collectors import snapshot
+from dataloader_exporter.exporter.collectors.snapshot import Rejected
+from dataloader_exporter.exporter.collectors.supervisor import Supervisor
+from dataloader_exporter.exporter.collectors.trainer import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_SERIES,
     TrainerCollector,
@@ -520,7 +520,7 @@ def test_the_last_snapshot_of_a_run_that_ended_badly_is_kept_for_days_the_newest
     """Past remove_after, a run's last snapshot goes if its process exited normally with
     no lost worker or failure; one with no normal exit (killed) or with a lost worker is
     kept for keep_failed_for, the newest KEEP_FAILED_FILES of them (a crash loop)."""
-    from exporter.collectors.trainer import KEEP_FAILED_FILES, KEEP_FAILED_FOR
+    from dataloader_exporter.exporter.collectors.trainer import KEEP_FAILED_FILES, KEEP_FAILED_FOR
 
     lost = exited.replace(
         b'dataloader_workers_lost_total{loader="t",rank="0"} 0.0',
@@ -556,7 +556,7 @@ def test_files_are_deleted_after_ten_times_stale_after_and_never_sooner_than_ten
 
 
 def test_bucket_labels_parse_the_same_through_the_le_first_path_and_the_general_one() -> None:
-    from exporter.collectors import textparse
+    from dataloader_exporter.exporter.collectors import textparse
 
     canonical = 'le="0.25",loader="a\\"b",phase="fetch",rank="3"'
     moved = 'loader="a\\"b",phase="fetch",rank="3",le="0.25"'  # valid, but le not first

@@ -14,9 +14,9 @@ import pytest
 from helpers import SleepDataset, deadline_poll, parse, scrape, small_tmpfs, wait_for_write
 from prometheus_client import CollectorRegistry, generate_latest
 
-import instrument
-from exporter import catalogue as cat
-from instrument.hub import hub_for
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.instrument.hub import hub_for
 
 REPO = Path(__file__).resolve().parents[1]
 L = (("loader", "t"), ("rank", "0"))
@@ -65,7 +65,7 @@ def test_a_short_run_writes_its_last_snapshot_at_exit(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO / 'tests')!r})
-        import instrument
+        from dataloader_exporter import instrument
         from helpers import SleepDataset
         loader = instrument.DataLoader(SleepDataset(10), batch_size=3, name="t")
         it = iter(loader)
@@ -143,7 +143,7 @@ class _Held:
 def test_a_write_asked_for_while_one_is_under_way_is_not_lost(tmp_path: Path) -> None:
     """The end of an epoch asks for a write while the snapshot thread is writing: the write
     under way began before the ask, so one more must follow."""
-    from instrument.hub import SnapshotWriter
+    from dataloader_exporter.instrument.hub import SnapshotWriter
 
     held = _Held()
     registry = CollectorRegistry()

@@ -18,8 +18,8 @@ from procs import Exporter, Prometheus, http_get
 from prometheus_client import CollectorRegistry
 from tls import TlsFiles, make_tls_files
 
-import instrument
-from exporter import catalogue as cat
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
 
 PASSWORD = "s3cret-scrape"
 

@@ -17,9 +17,9 @@ from helpers import SleepDataset
 from procs import REPO
 from prometheus_client import CollectorRegistry
 
-import instrument
-from diagnosis import top
-from diagnosis.signals import Scrape, Window, loaders
+from dataloader_exporter import instrument
+from dataloader_exporter.diagnosis import top
+from dataloader_exporter.diagnosis.signals import Scrape, Window, loaders
 
 
 @pytest.fixture

@@ -11,11 +11,11 @@ import pytest
 from helpers import SleepDataset, parse, scrape
 from prometheus_client import CollectorRegistry, generate_latest
 
-import instrument
-from exporter import catalogue as cat
-from exporter.collectors.supervisor import Supervisor
-from exporter.collectors.trainer import TrainerCollector
-from instrument.hub import hub_for
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.exporter.collectors.supervisor import Supervisor
+from dataloader_exporter.exporter.collectors.trainer import TrainerCollector
+from dataloader_exporter.instrument.hub import hub_for
 
 L = (("loader", "t"), ("rank", "0"))
 

@@ -14,8 +14,8 @@ import bcrypt
 import pytest
 from tls import TlsFiles, make_tls_files
 
-from exporter.basicauth import BasicAuth
-from exporter.webconfig import WebConfig, WebConfigError, load
+from dataloader_exporter.exporter.basicauth import BasicAuth
+from dataloader_exporter.exporter.webconfig import WebConfig, WebConfigError, load
 
 PASSWORD = b"correct horse"
 HASH = bcrypt.hashpw(PASSWORD, bcrypt.gensalt(rounds=4)).decode()

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from procs import REPO, SCRIPTS, Run, run_script
 
-from exporter import catalogue as cat
-from exporter.facts.cgroup import OomKills
-from instrument.failures import OomWatch
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.core.facts.cgroup import OomKills
+from dataloader_exporter.instrument.failures import OomWatch
 
 SCRIPT = str(SCRIPTS / "worker_cases.py")
 
@@ -223,7 +223,7 @@ def test_the_snapshot_is_written_before_the_exception_reaches_the_loop(
     from helpers import FailingDataset, parse
     from prometheus_client import CollectorRegistry
 
-    import instrument
+    from dataloader_exporter import instrument
 
     registry = CollectorRegistry()
     writer = instrument.hub_for(registry).write_snapshots(str(tmp_path), interval=3600)
@@ -256,7 +256,7 @@ def test_the_snapshot_is_written_before_the_exception_reaches_the_loop(
 ])
 def test_an_exception_is_given_only_the_cause_its_words_show(
         text: str, workers: int, cause: str | None) -> None:
-    from instrument.failures import cause_of_error
+    from dataloader_exporter.instrument.failures import cause_of_error
 
     assert cause_of_error(RuntimeError(text), workers) == cause
 
@@ -266,7 +266,7 @@ def test_a_worker_that_ended_cleanly_is_not_lost_when_another_raises(tmp_path: P
     from prometheus_client import CollectorRegistry
     from torch.utils.data import IterableDataset, get_worker_info
 
-    import instrument
+    from dataloader_exporter import instrument
 
     class Shards(IterableDataset):  # type: ignore[type-arg]
         def __iter__(self) -> Any:
@@ -298,7 +298,7 @@ def test_worker_time_is_left_out_when_workers_live_shorter_than_a_reading() -> N
     from helpers import SleepDataset
     from prometheus_client import CollectorRegistry
 
-    import instrument
+    from dataloader_exporter import instrument
 
     registry = CollectorRegistry()
     loader = instrument.DataLoader(SleepDataset(4), batch_size=2, num_workers=2, name="t",

@@ -16,9 +16,9 @@ from helpers import FailingDataset, SleepDataset, parse, refreshes, value
 from prometheus_client import CollectorRegistry
 from torch.utils.data import IterableDataset
 
-import instrument
-from exporter import catalogue as cat
-from instrument import compat
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.instrument import compat
 
 L = {"loader": "t", "rank": "0"}
 

@@ -16,10 +16,10 @@ from procs import REPO, SCRIPTS, Run, built_at, run_script
 from prometheus_client import CollectorRegistry
 from torch.utils.data import DataLoader as TorchDataLoader
 
-import instrument
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.instrument import zerocode
 from dataloader_exporter.run import autorun_dir
-from exporter import catalogue as cat
-from instrument import zerocode
 
 PLAIN = built_at("plain_torch.py", "plain = DataLoader(")
 SETTINGS = (f"train.prefetch_factor=3,train.persistent_workers=true,{PLAIN}.num_workers=1,"

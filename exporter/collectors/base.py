@@ -8,9 +8,9 @@ from typing import Any, Protocol
 
 from prometheus_client.metrics_core import Metric as Family
 
-from exporter.catalogue import COUNTER, GAUGE, HISTOGRAM, Metric
+from dataloader_exporter.core.catalogue import COUNTER, GAUGE, HISTOGRAM, Metric
 
-log = logging.getLogger("exporter")
+log = logging.getLogger("dataloader_exporter.exporter")
 
 
 class SourceCollector(Protocol):

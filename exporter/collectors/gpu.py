@@ -22,10 +22,10 @@ from typing import Any, cast
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric as Family
 
-from exporter import catalogue as c
-from exporter.collectors.base import LogOnce, family
+from dataloader_exporter.core import catalogue as c
+from dataloader_exporter.exporter.collectors.base import LogOnce, family
 
-log = logging.getLogger("exporter.gpu")
+log = logging.getLogger("dataloader_exporter.exporter.gpu")
 
 # Errors after which the NVML session is gone: drop it and init again at the next retry.
 _SESSION_LOST = ("NVMLError_Uninitialized", "NVMLError_DriverNotLoaded",

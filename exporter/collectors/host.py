@@ -19,11 +19,11 @@ from typing import cast
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric as Family
 
-from exporter import catalogue as c
-from exporter.collectors.base import LogOnce, family
-from exporter.facts.cgroup import limits, memory_files, read_value
+from dataloader_exporter.core import catalogue as c
+from dataloader_exporter.core.facts.cgroup import limits, memory_files, read_value
+from dataloader_exporter.exporter.collectors.base import LogOnce, family
 
-log = logging.getLogger("exporter.host")
+log = logging.getLogger("dataloader_exporter.exporter.host")
 
 
 def _gauge(metric: c.Metric, value: float) -> Family:

@@ -15,11 +15,11 @@ from typing import Any, cast
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric as Family
 
-from exporter import catalogue as c
-from exporter.collectors.base import LogOnce, family
-from exporter.facts.shm import SHM_PATH, read_shm
+from dataloader_exporter.core import catalogue as c
+from dataloader_exporter.core.facts.shm import SHM_PATH, read_shm
+from dataloader_exporter.exporter.collectors.base import LogOnce, family
 
-log = logging.getLogger("exporter.shm")
+log = logging.getLogger("dataloader_exporter.exporter.shm")
 
 
 class ShmCollector:

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 from prometheus_client.samples import Sample
 
-from exporter import catalogue as cat
-from exporter.exposition import float_text
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.exporter.exposition import float_text
 
 from .textparse import Labels, ParsedFamily, parse
 

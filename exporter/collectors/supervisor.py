@@ -14,12 +14,12 @@ from collections.abc import Iterator, Sequence
 from prometheus_client.metrics_core import Metric as Family
 from prometheus_client.registry import Collector
 
-from exporter import __version__
-from exporter import catalogue as cat
+from dataloader_exporter import __version__
+from dataloader_exporter.core import catalogue as cat
 
 from .base import LogOnce, SourceCollector, family
 
-log = logging.getLogger("exporter")
+log = logging.getLogger("dataloader_exporter.exporter")
 
 
 class Supervisor(Collector):

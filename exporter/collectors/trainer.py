@@ -69,14 +69,14 @@ from typing import NamedTuple
 
 from prometheus_client.metrics_core import Metric as Family
 
-from exporter import catalogue as cat
-from exporter.exposition import EncodedFamily
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.exporter.exposition import EncodedFamily
 
 from . import snapshot
 from .base import LogOnce, family
 from .snapshot import Owner, Rejected, Snapshot, Stamp
 
-log = logging.getLogger("exporter")
+log = logging.getLogger("dataloader_exporter.exporter")
 
 SUFFIX = ".prom"
 DEFAULT_STALE_AFTER = 30.0

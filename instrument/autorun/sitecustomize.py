@@ -36,7 +36,7 @@ def _check_settings() -> None:
     if not line.strip():
         return
     try:
-        from exporter.loadersettings import SettingsError, parse
+        from dataloader_exporter.core.settings import SettingsError, parse
     except ImportError as e:
         _say(f"zero-code mode is off in this process ({e})")
         return
@@ -49,7 +49,7 @@ def _check_settings() -> None:
 
 def _torch_ready() -> None:
     try:
-        from instrument import zerocode
+        from dataloader_exporter.instrument import zerocode
 
         zerocode.install(auto=True)
     except Exception as e:  # the program runs as without us

@@ -31,7 +31,7 @@ class Model(L.LightningModule):
     def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
         loader = DataLoader(Points(512), batch_size=16, num_workers=1)
         if MODE == "wrap":
-            import instrument
+            from dataloader_exporter import instrument
 
             return instrument.wrap(loader, name="train")  # type: ignore[no-any-return]
         return loader

@@ -13,7 +13,7 @@ import torch
 from common import record, site
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-import instrument
+from dataloader_exporter import instrument
 
 
 class Squares(Dataset):  # type: ignore[type-arg]

@@ -19,7 +19,7 @@ import torch
 from common import record
 from torch.utils.data import DataLoader, Dataset
 
-import instrument
+from dataloader_exporter import instrument
 
 SECONDS = 3.0
 

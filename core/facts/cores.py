@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
-import psutil
+CPU_ROOT = "/sys/devices/system/cpu"
 
 
-def physical_cores() -> int:
-    """Physical cores (logical when psutil cannot tell), at least 1."""
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+def physical_cores(cpu_root: str = CPU_ROOT) -> int:
+    """Physical cores (logical CPUs where the kernel does not say), at least 1.
+
+    The distinct sibling lists of the logical CPUs, as psutil.cpu_count(logical=False)
+    reads them on Linux: read here so that the core stays standard-library only."""
+    cores = set()
+    for cpu in Path(cpu_root).glob("cpu[0-9]*"):
+        if not re.fullmatch(r"cpu[0-9]+", cpu.name):
+            continue
+        for name in ("core_cpus_list", "thread_siblings_list"):
+            try:
+                cores.add((cpu / "topology" / name).read_text().strip())
+                break
+            except OSError:
+                continue
+    return len(cores) or os.cpu_count() or 1
 
 
 def cpu_quota(cgroup_root: str = "/sys/fs/cgroup") -> float | None:

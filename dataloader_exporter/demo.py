@@ -22,10 +22,10 @@ from prometheus_client import generate_latest
 from torch import nn
 from torch.utils.data import Dataset
 
-import instrument
-from diagnosis.doctor import Diagnosis, diagnose
-from diagnosis.machine import local_machine
-from diagnosis.signals import Scrape, Window, loaders
+from dataloader_exporter import instrument
+from dataloader_exporter.diagnosis.doctor import Diagnosis, diagnose
+from dataloader_exporter.diagnosis.machine import local_machine
+from dataloader_exporter.diagnosis.signals import Scrape, Window, loaders
 
 BATCH = 32
 WORK = 8  # filter passes per sample: about 1.2 ms of CPU, close to a step's cost per sample

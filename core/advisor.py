@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from exporter.facts.cores import cpu_affinity, cpu_quota, physical_cores
+from dataloader_exporter.core.facts.cores import cpu_affinity, cpu_quota, physical_cores
 
 # Workers past which more stop helping, by where samples come from: local disks saturate
 # early; network storage mostly waits, so more overlap more reads than there are cores.

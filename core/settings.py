@@ -17,7 +17,9 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-ENV_SETTINGS = "DATALOADER_EXPORTER_SETTINGS"
+from dataloader_exporter.core.env import ENV_SETTINGS
+from dataloader_exporter.core.problems import Problems
+
 ANY = "*"
 
 Value = int | bool
@@ -41,7 +43,7 @@ _WHOLE = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() also reads '\u06
 LOG_NAME_CHARS = 60  # a longer name is cut to this many characters in log lines
 
 
-class SettingsError(ValueError):
+class SettingsError(Problems):
     """A settings line that cannot be applied; the message lists every problem."""
 
 
