@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
-CODE := dataloader_exporter exporter diagnosis instrument dashboards
+CODE := dataloader_exporter core exporter diagnosis instrument dashboards
 
 .PHONY: demo test lint typecheck unit prometheus bench clean
 
@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check $(CODE) tests bench examples
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy $(CODE)
+	$(VENV)/bin/mypy dataloader_exporter
 
 unit: $(STAMP) prometheus
 	$(VENV)/bin/pytest
