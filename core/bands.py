@@ -17,6 +17,14 @@ STRAGGLER = MODERATE
 GPU_IDLE = 0.6
 GPU_BUSY = 0.8
 
+# Workers' wall time runnable but not running: on an uncrowded machine the run-queue delay
+# is a few percent; a quarter means each worker gets at most three quarters of its CPU.
+CPU_CONTENTION = 0.25
+
+# Of total memory (host, or the container's limit) kept available: below it the host is
+# under memory pressure (the alert) and the doctor adds no workers that would take it.
+MEMORY_RESERVE = 0.10
+
 # Shared memory the batches in flight may take, with this margin for torch's own use.
 SHM_SAFETY = 1.5
 SHM_HEADROOM = 1.25  # a suggested --shm-size leaves this much over the need

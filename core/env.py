@@ -1,7 +1,10 @@
-"""The environment variables both sides read, named once. The sidecar's flags each have
-one too: ENV_PREFIX + the flag's name in capitals (exporter/config.py's table)."""
+"""The environment variables both sides read, and the exporter's port, named once. The
+sidecar's flags each have one too: ENV_PREFIX + the flag's name in capitals (the flag
+table of exporter/config.py)."""
 
 from __future__ import annotations
+
+DEFAULT_PORT = 9478  # the exporter's, in-process or sidecar (the image EXPOSEs it)
 
 ENV_PREFIX = "DATALOADER_EXPORTER_"
 ENV_DIR = ENV_PREFIX + "DIR"  # the snapshot directory the trainer writes, the sidecar reads

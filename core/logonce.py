@@ -23,7 +23,7 @@ class LogOnce:
             if key in self._active:
                 return False
             self._active.add(key)
-        self._logger.log(self._level, msg, *args)
+        self._logger.log(self._level, msg, *args, stacklevel=2)
         return True
 
     def cleared(self, key: str, msg: str = "", *args: object) -> None:
@@ -33,7 +33,7 @@ class LogOnce:
                 return
             self._active.discard(key)
         if msg:
-            self._logger.info(msg, *args)
+            self._logger.info(msg, *args, stacklevel=2)
 
     def seen(self, key: str) -> bool:
         """Whether `key` is active (was logged and has not cleared)."""

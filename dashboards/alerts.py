@@ -194,11 +194,13 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "DataLoaderHostMemoryPressure",
-        f"(1 - {ratio(cat.HOST_MEMORY_AVAILABLE, cat.HOST_MEMORY_TOTAL)} > 0.9) or "
+        f"(1 - {ratio(cat.HOST_MEMORY_AVAILABLE, cat.HOST_MEMORY_TOTAL)} > "
+        f"{1 - bands.MEMORY_RESERVE}) or "
         f"(({sel(cat.HOST_SWAP_USED)} > 0) and (deriv({sel(cat.HOST_SWAP_USED)}[10m]) > 0))",
         "5m", WARNING,
         "Memory pressure on {{ $labels.instance }}",
-        "Under 10% of host memory is available, or swap is in use and growing: workers slow"
+        f"Under {bands.MEMORY_RESERVE:.0%} of host memory is available, or swap is in use and "
+        "growing: workers slow"
         " down and the OOM killer is next. Fix: fewer num_workers or a lower"
         " prefetch_factor; keep datasets in numpy arrays or tensors (Python objects get"
         " copied into every worker on access); free page cache hogs on the host.",

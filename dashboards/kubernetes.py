@@ -17,13 +17,15 @@ from typing import Any
 
 import yaml
 
+from dataloader_exporter.core.env import DEFAULT_PORT
+
 from .model import EXPORTER_CONTAINER
 
 # The sidecar: the compose stack's exporter service, as a native sidecar (an init container
 # with restartPolicy Always, Kubernetes >= 1.29), so a Job completes when its trainer exits.
 IMAGE = "dataloader-exporter:0.1.0"
 CONTAINER = EXPORTER_CONTAINER
-PORT = 9478
+PORT = DEFAULT_PORT
 PORT_NAME = "dl-exporter"  # an IANA service name: at most 15 characters
 METRICS_DIR = "/run/dataloader-exporter"  # the image's DATALOADER_EXPORTER_DIR
 # No GPU is requested, so the sidecar sees none: GPU metrics come from dcgm-exporter.

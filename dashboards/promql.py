@@ -80,9 +80,9 @@ def ratio(numerator: cat.Metric, denominator: cat.Metric, matchers: str = "") ->
 
 
 # --- the workers, as the trainer reads them from /proc ------------------------------------
-# Of the workers' wall time waiting for a CPU from which they are starved of it;
-# diagnosis.why.CPU_CONTENTION, the doctor's threshold.
-CPU_CONTENTION = 0.25
+# Of the workers' wall time waiting for a CPU from which they are starved of it, as the
+# doctor judges it.
+CPU_CONTENTION = bands.CPU_CONTENTION
 
 
 def workers_by_state(matchers: str, window: str, by: str) -> str:

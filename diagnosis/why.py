@@ -26,17 +26,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dataloader_exporter.core import advisor
+from dataloader_exporter.core import advisor, bands
 from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.signals import LoaderSignals
 from dataloader_exporter.diagnosis.units import gib, pct
 
-# Of their wall time runnable but not running: on an uncrowded machine the run-queue delay
-# is a few percent; a quarter means each worker gets at most three quarters of its CPU.
-CPU_CONTENTION = 0.25
-# Of total memory (host, or the container's limit) kept available after adding workers:
-# below 10% DataLoaderHostMemoryPressure fires and the OOM killer is near.
-MEMORY_RESERVE = 0.10
+CPU_CONTENTION = bands.CPU_CONTENTION  # of the workers' wall time waiting for a CPU
+MEMORY_RESERVE = bands.MEMORY_RESERVE  # of total memory kept available after adding workers
 MiB = float(1 << 20)
 # Growth of the workers' swap in a window: a few pages swapped out are noise, a MiB paging.
 SWAP_GROWTH = MiB

@@ -16,14 +16,14 @@ import time
 import torch
 from prometheus_client import generate_latest
 
-from dataloader_exporter import instrument
+import dataloader_exporter
 from dataloader_exporter.demo import NoisyImages, model, train_step
 from dataloader_exporter.diagnosis.signals import Scrape, Window, loaders
 
 
 def summary(name: str) -> str:
     """The run so far, read back through the same signals the doctor uses."""
-    now = Scrape.parse(generate_latest(instrument.default_registry()).decode())
+    now = Scrape.parse(generate_latest(dataloader_exporter.default_registry()).decode())
     s = next(x for x in loaders(Window.whole_run(now)) if x.loader == name)
     share = "-" if s.stall_share is None else f"{s.stall_share:.0%}"
     samples = "unknown" if s.samples is None else f"{s.samples:.0f}"
@@ -42,7 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     torch.manual_seed(0)
-    loader = instrument.DataLoader(
+    loader = dataloader_exporter.DataLoader(
         NoisyImages(args.samples), batch_size=32, shuffle=True, num_workers=args.workers,
         persistent_workers=args.workers > 0, name="train", metrics_dir=args.metrics_dir,
         port=args.port)

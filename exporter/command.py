@@ -14,9 +14,8 @@ from prometheus_client import CollectorRegistry
 from dataloader_exporter import __version__
 from dataloader_exporter.core.settings import log_name
 from dataloader_exporter.exporter import config
-from dataloader_exporter.exporter.collectors.trainer import TrainerCollector
 from dataloader_exporter.exporter.http import ServerHandle, serve
-from dataloader_exporter.exporter.sources import attach, system_sources
+from dataloader_exporter.exporter.sources import attach, build_sources
 
 log = logging.getLogger("dataloader_exporter.exporter")
 
@@ -64,14 +63,7 @@ def run_serve(args: argparse.Namespace, unknown: Sequence[str]) -> int:
     logging.basicConfig(level=config.logging_level(cfg.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     registry = CollectorRegistry()
-    sources = system_sources(cfg.shm_path, gpu="gpu" in cfg.collectors,
-                             shm="shm" in cfg.collectors, host="host" in cfg.collectors)
-    if "trainer" in cfg.collectors and cfg.metrics_dir is not None:
-        sources.insert(0, TrainerCollector(cfg.metrics_dir, cfg.stale_after,
-                                           max_file_bytes=cfg.max_file_bytes,
-                                           max_series=cfg.max_series,
-                                           remove_after=cfg.remove_after,
-                                           keep_failed_for=cfg.keep_failed_for))
+    sources = build_sources(cfg.collectors, cfg.source_options)
     supervisor = attach(registry, sources)
     try:
         handle = serve(registry, cfg.host, cfg.port, cfg.web, cfg.limits)

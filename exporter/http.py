@@ -29,64 +29,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import resource
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from dataloader_exporter.exporter.httpconn import WAITERS, Server
+from dataloader_exporter.exporter.httpconn import Server
+from dataloader_exporter.exporter.limits import ACCEPT_BATCH, IN_PROCESS, Limits, connection_cap
 
 if TYPE_CHECKING:  # loading a web config (PyYAML, bcrypt) is exporter.webconfig's job
     from dataloader_exporter.exporter.webconfig import WebConfig
 
+# The limits live in exporter.limits, which exporter.httpconn imports too; they are
+# imported from here as well.
+__all__ = ["IN_PROCESS", "Limits", "ServerHandle", "connection_cap", "serve"]
+
 log = logging.getLogger("dataloader_exporter.exporter")
 
 _MAX_HEAD = 16 * 1024  # request line and headers; Prometheus sends a few hundred bytes
-_RESERVED_FDS = 64  # for everything else: snapshot files, /proc, NVML, logs
-# asyncio accepts up to this many connections in one go (and listens with it): evicted
-# connections give their descriptors back only on the next turn of the loop.
-_ACCEPT_BATCH = 100
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Bounds on what clients can hold; the defaults suit scrapes every 1 s to 2 min."""
-
-    max_connections: int = 128
-    read_header_timeout: float = 10.0
-    idle_timeout: float = 150.0  # above Prometheus's longest usual scrape interval (2 min)
-    write_timeout: float = 30.0
-    # Pacing (0: none): one answer per peer address every peer_interval seconds, and
-    # answers_per_second in all, each after a burst of pace_burst at once; a request
-    # early for its turn waits for it.
-    peer_interval: float = 0.0
-    answers_per_second: float = 0.0
-    pace_burst: int = 10
-
-
-# In the training process the server shares the interpreter lock with the loop, so what
-# clients make it do is bounded: a scraper every second (Prometheus, `top`, the doctor)
-# is never held back, a client in a tight loop or fifty at once wait their turn.
-# Measured by bench/scrapers.py (README, Performance).
-IN_PROCESS = Limits(peer_interval=0.2, answers_per_second=20.0, pace_burst=10)
-
-
-def connection_cap(limits: Limits) -> int:
-    """max_connections, lowered so that connections (and newcomers waiting, and a batch of
-    accepts) cannot exhaust the descriptors the process has left."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return limits.max_connections
-    try:
-        in_use = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        in_use = 0
-    left = soft - in_use - _RESERVED_FDS - _ACCEPT_BATCH - WAITERS
-    return max(4, min(limits.max_connections, left))
 
 
 class ServerHandle:
@@ -161,7 +122,7 @@ def serve(registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0,
     async def start() -> asyncio.base_events.Server:
         # Plain TCP: TLS starts per connection once admitted (StreamWriter.start_tls).
         return await asyncio.start_server(server.connection, host, port, limit=_MAX_HEAD,
-                                          backlog=_ACCEPT_BATCH, reuse_address=True)
+                                          backlog=ACCEPT_BATCH, reuse_address=True)
 
     def run() -> None:
         asyncio.set_event_loop(loop)

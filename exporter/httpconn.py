@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 from prometheus_client import CollectorRegistry
 
 from dataloader_exporter import __version__
-from dataloader_exporter.exporter.collectors.base import LogOnce
+from dataloader_exporter.core.logonce import LogOnce
 from dataloader_exporter.exporter.httpwire import (
     REASONS,
     TEXT,
@@ -29,11 +29,11 @@ from dataloader_exporter.exporter.httpwire import (
     parse_head,
     response_head,
 )
+from dataloader_exporter.exporter.limits import WAITERS, Limits
 from dataloader_exporter.exporter.scrape import SingleFlight, content_type
 
 if TYPE_CHECKING:
     from dataloader_exporter.exporter.basicauth import CheckQueue
-    from dataloader_exporter.exporter.http import Limits
     from dataloader_exporter.exporter.webconfig import WebConfig
 
 log = logging.getLogger("dataloader_exporter.exporter")
@@ -55,7 +55,6 @@ NEW, IDLE, BUSY, DRAINING = "new", "idle", "busy", "draining"
 # milliseconds) or whose answer has just been written (its client is reading it) is not
 # evicted before this: waiters cannot knock each other out, nor cut off an answer.
 _GRACE = 0.5
-WAITERS = 16  # newcomers waiting for a slot while none can be evicted; others refused
 _POLL = 0.05  # how often a waiting newcomer looks for a slot
 _PEERS = 1024  # peers whose next turn is remembered (pacing)
 
@@ -139,7 +138,7 @@ class Server:
 
     async def _wait_for_slot(self, conn: Conn) -> bool:
         """Admits `conn`, waiting (read_header_timeout at most) while no connection can
-        be evicted; at most _WAITERS newcomers wait, the others are refused at once."""
+        be evicted; at most WAITERS newcomers wait, the others are refused at once."""
         if self._admit(conn):
             return True
         if self.waiting >= WAITERS:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.utils.data
 
+from dataloader_exporter.core.logonce import LogOnce
 from dataloader_exporter.core.settings import (
     ENV_SETTINGS,
     NEEDS_WORKERS,
@@ -35,14 +36,8 @@ log = logging.getLogger("dataloader_exporter.instrument")
 _TORCH = inspect.signature(torch.utils.data.DataLoader.__init__)
 _parsed: dict[str, tuple[Setting, ...]] = {}
 _built: set[str] = set()  # names of loaders built while a settings line was set
-_said: set[str] = set()
-
-
-def say_once(key: str, msg: str, *args: object) -> None:
-    """A warning logged once per key in this process."""
-    if key not in _said:
-        _said.add(key)
-        log.warning(msg, *args)
+# Warnings logged once per key in this process (settings, wrap(), zero-code mode's exit).
+once = LogOnce(log)
 
 
 @dataclass
@@ -137,27 +132,27 @@ def apply(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
             continue
         value = wanted[key]
         if key in NEEDS_WORKERS and not workers and value is not False:
-            say_once(f"skip:{name}:{key}", "dataloader %r: %s.%s=%s not applied: the "
-                     "loader has no workers", log_name(name), ENV_SETTINGS, key, value)
+            once.problem(f"skip:{name}:{key}", "dataloader %r: %s.%s=%s not applied: the "
+                         "loader has no workers", log_name(name), ENV_SETTINGS, key, value)
             continue
         before = current(key)
         where[key] = value
         if before != value:
-            say_once(f"set:{name}:{key}:{value}", "dataloader %r: %s=%s from %s (was %s)",
-                     log_name(name), key, value, ENV_SETTINGS, before)
+            once.problem(f"set:{name}:{key}:{value}", "dataloader %r: %s=%s from %s (was %s)",
+                         log_name(name), key, value, ENV_SETTINGS, before)
     if here and not workers:
         for key in NEEDS_WORKERS:
             where = place(key)
             default = _TORCH.parameters[key].default
             if where is not None and current(key) not in (default, None, False):
                 where[key] = default
-                say_once(f"drop:{name}:{key}", "dataloader %r: %s dropped: %s sets "
-                         "num_workers=0", log_name(name), key, ENV_SETTINGS)
+                once.problem(f"drop:{name}:{key}", "dataloader %r: %s dropped: %s sets "
+                             "num_workers=0", log_name(name), key, ENV_SETTINGS)
     return bound.args[1:], bound.kwargs, left
 
 
 def not_applied(name: str, cls: type, keys: tuple[str, ...]) -> None:
     """One line for settings a loader class takes no way to pass."""
-    say_once(f"left:{name}:{','.join(keys)}", "dataloader %r: %s for %s not applied: %s."
-             "__init__ takes no such argument and does not pass it to torch's DataLoader",
-             log_name(name), ENV_SETTINGS, ", ".join(keys), cls.__qualname__)
+    once.problem(f"left:{name}:{','.join(keys)}", "dataloader %r: %s for %s not applied: "
+                 "%s.__init__ takes no such argument and does not pass it to torch's "
+                 "DataLoader", log_name(name), ENV_SETTINGS, ", ".join(keys), cls.__qualname__)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, write_to_textfile
 
 from dataloader_exporter.core.facts.shm import SHM_PATH
+from dataloader_exporter.core.logonce import LogOnce
 
 if TYPE_CHECKING:  # the server is loaded by serve() only: the drop-in does not pay for it
     from dataloader_exporter.exporter.collectors.supervisor import Supervisor
@@ -151,7 +152,7 @@ class Hub:
             writer.close()
 
 
-_said_ports: set[int] = set()
+_ports_said = LogOnce(log, logging.INFO)  # keyed by the base port
 
 
 def rank_port(port: int) -> int:
@@ -161,10 +162,8 @@ def rank_port(port: int) -> int:
         return port
     if port + local > 65535:
         raise OSError(f"port {port} + LOCAL_RANK {local} is past 65535")
-    if port not in _said_ports:
-        _said_ports.add(port)
-        log.info("dataloader-exporter: local rank %d serves its metrics on port %d "
-                 "(port %d + LOCAL_RANK)", local, port + local, port)
+    _ports_said.problem(str(port), "dataloader-exporter: local rank %d serves its metrics on "
+                        "port %d (port %d + LOCAL_RANK)", local, port + local, port)
     return port + local
 
 

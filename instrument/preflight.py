@@ -15,6 +15,7 @@ from typing import Any
 from dataloader_exporter.core import advisor
 from dataloader_exporter.core.bands import SHM_SAFETY, shm_in_flight, shm_size_advice
 from dataloader_exporter.core.facts.shm import SHM_PATH, ShmSpace, shm_space
+from dataloader_exporter.core.logonce import LogOnce
 from dataloader_exporter.core.settings import log_name
 
 from .env import human_bytes, local_world_size
@@ -90,35 +91,34 @@ class Preflight:
         self._cpu = functools.cache(cpu)
         self._local_ranks = functools.cache(local_ranks)
         self._cuda = functools.cache(cuda)
-        self._said: set[str] = set()
+        self._config_line = LogOnce(log, logging.INFO)  # the configuration line
+        self._advice = LogOnce(log)  # each piece of advice
 
     def _warn(self, key: str, msg: str, *args: object) -> None:
-        if key not in self._said:
-            self._said.add(key)
-            log.warning("dataloader %r: " + msg, log_name(self.name), *args)
+        if not self._advice.seen(key):
+            self._advice.problem(key, "dataloader %r: " + msg, log_name(self.name), *args)
 
     def on_iter(self, cfg: LoaderConfig, epoch: int) -> None:
         """At each iter(): the config line (first time) and config-only advice."""
-        if "config" not in self._said:
-            self._said.add("config")
+        if not self._config_line.seen("config"):
             shm = self._shm_probe(self.shm_path)
-            log.info("dataloader %r: num_workers=%s prefetch_factor=%s pin_memory=%s "
-                     "persistent_workers=%s batch_size=%s; %s, local ranks=%d, %s "
-                     "size=%s", log_name(self.name), cfg.num_workers, cfg.prefetch_factor,
-                     cfg.pin_memory, cfg.persistent_workers, cfg.batch_size,
-                     self._cpu().describe(), self._local_ranks(), self.shm_path,
-                     human_bytes(shm.size) if shm else "unknown")
-        if "no-workers" in self._said and "too-many-workers" in self._said and (
-                "not-persistent" in self._said):
+            self._config_line.problem(
+                "config", "dataloader %r: num_workers=%s prefetch_factor=%s pin_memory=%s "
+                "persistent_workers=%s batch_size=%s; %s, local ranks=%d, %s size=%s",
+                log_name(self.name), cfg.num_workers, cfg.prefetch_factor, cfg.pin_memory,
+                cfg.persistent_workers, cfg.batch_size, self._cpu().describe(),
+                self._local_ranks(), self.shm_path, human_bytes(shm.size) if shm else "unknown")
+        said = self._advice.seen
+        if said("no-workers") and said("too-many-workers") and said("not-persistent"):
             return
         cpu, ranks = self._cpu(), self._local_ranks()
-        if cfg.num_workers == 0 and "no-workers" not in self._said:
+        if cfg.num_workers == 0 and not said("no-workers"):
             self._warn("no-workers", "num_workers=0 loads every batch in the training "
                        "process, so the GPU waits while it does; try num_workers=%d (%s "
                        "shared by %d local rank%s)",
                        advisor.worker_cap(cpu, ranks, self._cuda()), cpu.describe(), ranks,
                        "" if ranks == 1 else "s")
-        elif (cfg.num_workers and "too-many-workers" not in self._said and
+        elif (cfg.num_workers and not said("too-many-workers") and
               advisor.too_many_workers(cfg.num_workers, cpu, ranks)):
             self._warn("too-many-workers", "num_workers=%d x %d local rank%s exceeds the %s "
                        "this process may use; workers will fight for CPU with each other "
@@ -137,7 +137,7 @@ class Preflight:
 
     def on_first_batch(self, cfg: LoaderConfig, batch_bytes: int) -> None:
         """After the first batch: will in-flight batches overflow /dev/shm?"""
-        if not cfg.num_workers or batch_bytes <= 0 or "shm" in self._said:
+        if not cfg.num_workers or batch_bytes <= 0 or self._advice.seen("shm"):
             return
         shm = self._shm_probe(self.shm_path)
         ranks = self._local_ranks()  # every local rank's workers share the machine's shm

@@ -23,6 +23,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 PROC = "/proc"
 PSS_BUDGET = 0.004  # of one core, for reading PSS (its cost grows with the worker's memory)
@@ -87,6 +88,49 @@ def _waiting_ns(base: str) -> int | None:
             total += int(parts[1])
             seen = True
     return total if seen else None
+
+
+class Liveness:
+    """Whether processes first seen alive are still running: the same process (its start
+    time in /proc/<pid>/stat, so a reused pid is not it) and not a zombie, as
+    psutil.Process(pid).is_running() and status() tell it; psutil (imported only here,
+    and only where there is no /proc) elsewhere."""
+
+    def __init__(self, proc: str = PROC) -> None:
+        self._proc = proc
+        self._starts: dict[int, bytes] = {}
+        self._psutil: dict[int, Any] | None = None if os.path.isdir(f"{proc}/self") else {}
+
+    def _state(self, pid: int) -> tuple[bytes, bytes] | None:
+        stat = _read(f"{self._proc}/{pid}/stat")
+        try:
+            f = stat.rsplit(b")", 1)[1].split() if stat else []
+            return f[0], f[19]
+        except IndexError:
+            return None
+
+    def alive(self, pid: int) -> bool:
+        if self._psutil is not None:
+            return self._alive_psutil(pid)
+        now = self._state(pid)
+        if now is None or now[0] in (b"Z", b"X", b"x"):
+            return False
+        return self._starts.setdefault(pid, now[1]) == now[1]
+
+    def _alive_psutil(self, pid: int) -> bool:
+        import psutil
+
+        assert self._psutil is not None
+        try:
+            proc = self._psutil.get(pid) or self._psutil.setdefault(pid, psutil.Process(pid))
+            return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return False
+
+    def forget(self, pid: int) -> None:
+        self._starts.pop(pid, None)
+        if self._psutil is not None:
+            self._psutil.pop(pid, None)
 
 
 def sample(pid: int, proc: str = PROC) -> ProcSample | None:

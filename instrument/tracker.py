@@ -29,7 +29,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 
 from dataloader_exporter.core.catalogue import FAILURE_CAUSES
@@ -38,7 +37,7 @@ from dataloader_exporter.core.facts.memory import host_memory
 from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
 
 from .failures import CRASH, SHM_SMALL, cause_of_exit, is_torch_worker_error, oom_watch
-from .procstat import Figures, ProcAccount
+from .procstat import Figures, Liveness, ProcAccount
 from .workers import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED
 
 Exit = tuple[int | None, int | None]  # (the signal that ended it, or its exit code)
@@ -169,7 +168,7 @@ class WorkerTracker:
         self._done: set[int] = set()  # pids that ended, lost or not: never counted again
         self._ids = 0
         self._totals = _Totals()
-        self._procs: dict[int, psutil.Process] = {}
+        self._liveness = Liveness()
         self._next = 0.0
         self.proc = ProcAccount()
         self.failures = dict.fromkeys(FAILURE_CAUSES, 0)
@@ -202,7 +201,7 @@ class WorkerTracker:
             if gen is not None:
                 gen.watched = False
                 for pid in gen.all_pids():
-                    self._procs.pop(pid, None)
+                    self._liveness.forget(pid)
                     self.proc.end(pid)
             self._next = 0.0  # the next read counts again: these workers are gone now
 
@@ -214,7 +213,7 @@ class WorkerTracker:
                 continue
             self._next = 0.0  # its workers are gone: the next read counts again
             for pid in gen.all_pids():
-                self._procs.pop(pid, None)
+                self._liveness.forget(pid)
                 self._done.discard(pid)
                 self.proc.end(pid)
             if gen.block is not None:
@@ -281,7 +280,7 @@ class WorkerTracker:
     def _end(self, pid: int) -> None:
         """A worker is done with, lost or not: never counted again (lock held)."""
         self._done.add(pid)
-        self._procs.pop(pid, None)
+        self._liveness.forget(pid)
         self._seen.pop(pid, None)
         self.proc.end(pid)
 
@@ -326,13 +325,7 @@ class WorkerTracker:
             return self.proc.figures()
 
     def _alive(self, pid: int) -> bool:
-        proc = self._procs.get(pid)
-        try:
-            if proc is None:
-                proc = self._procs[pid] = psutil.Process(pid)
-            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
+        return self._liveness.alive(pid)
 
     def _current(self) -> _Totals:
         """Folded totals plus the live generations' blocks (lock held)."""

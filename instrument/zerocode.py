@@ -12,7 +12,7 @@ work: one reached through ``super()`` passes straight on, so nothing is counted 
 An ``__iter__`` that is a generator function (Accelerate's DataLoaderShard) runs
 torch's later, lazily: it is left alone and measured where torch's runs. torch's private
 iterator classes are never touched, and torch and the user still see their own dataset,
-sampler, collate_fn and worker_init_fn (see loader.instrumented_iter).
+sampler, collate_fn and worker_init_fn (see timed.instrumented_iter).
 
 Holders: an object that is not a DataLoader but holds one and re-chunks its batches
 (HOLDERS: webdataset's WebLoader, whose ``.unbatched().batched(n)`` makes the batches the
@@ -43,7 +43,8 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from time import perf_counter_ns
+from typing import Any, Generic, TypeVar
 
 import torch.utils.data
 
@@ -51,27 +52,20 @@ from dataloader_exporter.core.env import ENV_SETTINGS
 from dataloader_exporter.core.settings import log_name
 
 from . import envsettings
+from .batch import loader_len
+from .instruments import Instruments
 from .naming import built_by_framework, class_name, role_from_stack, site_name
+from .originals import MARK, SELF_TIMED, TORCH_INIT, TORCH_ITER, is_lazy, self_timed
+from .timed import TimedIterator, counter_for, instrumented_iter, prestart
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
-_MARK = "__dataloader_exporter_original__"
-# A class attribute of loaders that time themselves (instrument.DataLoader): not hooked.
-SELF_TIMED = "_dataloader_exporter_times_itself"
 _TorchDataLoader = torch.utils.data.DataLoader
 # Classes (module.qualname) that hold a torch DataLoader in `pipeline` and re-chunk its
 # batches before the loop takes them.
 HOLDERS = frozenset({"webdataset.compat.WebLoader"})
 _INIT, _ITER, _STATE = "__init__", "__iter__", "state_dict"
-
-
-def _original(attr: str) -> Any:
-    f = vars(_TorchDataLoader)[attr]
-    return getattr(f, _MARK, f)
-
-
-TORCH_INIT: Callable[..., None] = _original("__init__")
-TORCH_ITER: Callable[[Any], Any] = _original("__iter__")
+V = TypeVar("V")
 
 __all__ = ["TORCH_INIT", "TORCH_ITER", "adopt", "install", "instruments", "never_iterated",
            "role_from_stack"]
@@ -88,17 +82,17 @@ class Naming:
     explicit: bool = False
 
 
-class _Table:
+class _Table(Generic[V]):
     """object -> value by identity, dropped when the object is collected."""
 
     def __init__(self) -> None:
-        self._d: dict[int, tuple[weakref.ref[Any], Any]] = {}
+        self._d: dict[int, tuple[weakref.ref[Any], V]] = {}
 
-    def get(self, obj: Any) -> Any:
+    def get(self, obj: Any) -> V | None:
         entry = self._d.get(id(obj))
         return entry[1] if entry is not None and entry[0]() is obj else None
 
-    def put(self, obj: Any, value: Any) -> bool:
+    def put(self, obj: Any, value: V) -> bool:
         key = id(obj)
 
         def gone(ref: weakref.ref[Any], key: int = key) -> None:
@@ -112,17 +106,17 @@ class _Table:
             return False
         return True
 
-    def values(self) -> list[Any]:
+    def values(self) -> list[V]:
         return [v for ref, v in list(self._d.values()) if ref() is not None]
 
     def __bool__(self) -> bool:
         return bool(self._d)
 
 
-_loaders = _Table()  # loader -> loader._Instruments
-_datasets = _Table()  # dataset -> Naming
-_own = _Table()  # plain loaders the user built over an adopted dataset (not copies)
-_held = _Table()  # torch loaders a holder iterates -> the holder's _Instruments
+_loaders: _Table[Instruments] = _Table()  # loader -> its Instruments
+_datasets: _Table[Naming] = _Table()  # dataset -> Naming
+_own: _Table[bool] = _Table()  # plain loaders the user built over an adopted dataset
+_held: _Table[Instruments] = _Table()  # torch loaders a holder iterates -> its Instruments
 _auto = False
 _lock = threading.Lock()
 _tls = threading.local()  # .outer: {(id(obj), kind): state} of the outermost hook running
@@ -137,7 +131,7 @@ def install(auto: bool = False) -> None:
         if auto:
             _auto = True
         for attr, hook in (("__iter__", _hooked_iter), ("__init__", _hooked_init)):
-            if getattr(vars(_TorchDataLoader)[attr], _MARK, None) is None:
+            if getattr(vars(_TorchDataLoader)[attr], MARK, None) is None:
                 setattr(_TorchDataLoader, attr, hook)
         if getattr(vars(_TorchDataLoader).get("__init_subclass__"), "__func__", None) is not (
                 _on_subclass):
@@ -158,7 +152,7 @@ def _subclasses(cls: type) -> Iterator[type]:
 def _mark(original: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
     def deco(f: Callable[..., Any]) -> Any:
         f = functools.wraps(original)(f)
-        setattr(f, _MARK, original)
+        setattr(f, MARK, original)
         return f
     return deco
 
@@ -175,34 +169,26 @@ def _hook_class(cls: type) -> None:
         return
     own = vars(cls)
     init, it = own.get("__init__"), own.get("__iter__")
-    if inspect.isfunction(init) and not hasattr(init, _MARK):
+    if inspect.isfunction(init) and not hasattr(init, MARK):
         setattr(cls, _INIT, _init_hook(init))
-    if inspect.isfunction(it) and not hasattr(it, _MARK) and (
+    if inspect.isfunction(it) and not hasattr(it, MARK) and (
             not inspect.isgeneratorfunction(it)):
         setattr(cls, _ITER, _iter_hook(it))
     state = own.get(_STATE)
-    if inspect.isfunction(state) and not hasattr(state, _MARK):
+    if inspect.isfunction(state) and not hasattr(state, MARK):
         setattr(cls, _STATE, _state_hook(state))
 
 
 def _state_hook(original: Callable[[Any], Any]) -> Any:
     """torchdata's StatefulDataLoader starts its workers in state_dict() when asked before
-    the first iter(): they get their hook there (loader.prestart)."""
+    the first iter(): they get their hook there (timed.prestart)."""
     @_mark(original)
     def hooked(self: Any) -> Any:
         dle = _loaders.get(self)
-        if dle is None or isinstance(self, _self_timed()):
+        if dle is None or self_timed(self):
             return original(self)
-        from . import loader
-
-        return loader.prestart(self, dle, original)
+        return prestart(self, dle, original)
     return hooked
-
-
-def _self_timed() -> type:
-    from . import loader
-
-    return loader.DataLoader
 
 
 def _init_hook(original: Callable[..., None]) -> Any:
@@ -251,28 +237,18 @@ def _hooked_init(self: Any, *args: Any, **kwargs: Any) -> None:
     _init_via(self, TORCH_INIT, args, kwargs)
 
 
-_lazy: set[Callable[[Any], Any]] = set()  # subclass __iter__s that return generators
-
-
-def lazy(original: Callable[[Any], Any]) -> None:
-    """A subclass's __iter__ returned a generator: torch's runs later, and measures."""
-    _lazy.add(original)
-
-
 def _iter_via(self: Any, original: Callable[[Any], Any]) -> Any:
-    if _inside(self, "iter") or original in _lazy:  # an outer hook, or torch's later, measures
+    if _inside(self, "iter") or is_lazy(original):  # an outer hook, or torch's later, measures
         return original(self)
     held = _held.get(self)
     dle = _loaders.get(self)
     if held is None and dle is None and not (_auto or _datasets):
         return original(self)  # a plain loader, nothing adopted: as torch
-    from . import loader
-
-    if isinstance(self, loader.DataLoader):
+    if self_timed(self):
         return original(self)
     if held is not None:  # a holder measures the batches; this reports its workers
         with _outermost(self, "iter"):
-            return loader.instrumented_iter(self, held, original, quiet=True)
+            return instrumented_iter(self, held, original, quiet=True)
     if dle is None:
         try:
             dataset = getattr(self, "dataset", None)
@@ -288,14 +264,12 @@ def _iter_via(self: Any, original: Callable[[Any], Any]) -> Any:
             log.warning("dataloader-exporter: cannot instrument %r", self, exc_info=True)
             return original(self)
     with _outermost(self, "iter"):
-        return loader.instrumented_iter(self, dle, original)
+        return instrumented_iter(self, dle, original)
 
 
 def _init_via(self: Any, original: Callable[..., None], args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> None:
-    from . import loader
-
-    if isinstance(self, loader.DataLoader):  # names and settings are its own business
+    if self_timed(self):  # an instrument.DataLoader: names and settings are its own business
         original(self, *args, **kwargs)
         return
     if _inside(self, "init"):  # through super(): the outer hook names it; it may have
@@ -341,10 +315,8 @@ def _init_via(self: Any, original: Callable[..., None], args: tuple[Any, ...],
         log.warning("dataloader-exporter: cannot instrument %r", self, exc_info=True)
 
 
-def _instruments(loader_obj: Any, naming: Naming) -> Any:
-    from .loader import _Instruments
-
-    dle = _Instruments(naming.name, naming.registry, naming.metrics_dir, naming.port,
+def _instruments(loader_obj: Any, naming: Naming) -> Instruments:
+    dle = Instruments(naming.name, naming.registry, naming.metrics_dir, naming.port,
                        explicit=False)
     dle.loader_class = type(loader_obj)
     _loaders.put(loader_obj, dle)
@@ -378,7 +350,7 @@ def held_loaders(obj: Any) -> list[Any]:
     return [s for s in pipeline if isinstance(s, _TorchDataLoader)]
 
 
-def hold(inner: list[Any], dle: Any) -> None:
+def hold(inner: list[Any], dle: Instruments) -> None:
     """From now on these loaders' iterations report to a holder's instruments, quietly."""
     install()
     for obj in inner:
@@ -402,7 +374,7 @@ def _holder_on_stack() -> Any:
 def _hook_holder(cls: type) -> None:
     """Measures a holder class's iteration (zero-code mode found it building a loader)."""
     with _lock:
-        if hasattr(vars(cls).get("__iter__"), _MARK):
+        if hasattr(vars(cls).get("__iter__"), MARK):
             return
         original = cls.__iter__  # type: ignore[attr-defined]
 
@@ -420,10 +392,21 @@ def _holder_iter(self: Any, original: Callable[[Any], Any]) -> Any:
     dle = next((d for d in map(_loaders.get, inner) if d is not None), None)
     if dle is None:
         return original(self)
-    from . import loader
-
     with _outermost(self, "iter"):
-        return loader.holder_iter(self, inner, dle, original)
+        return holder_iter(self, inner, dle, original)
+
+
+def holder_iter(holder: Any, inner: list[Any], dle: Instruments,
+                iterate: Callable[[Any], Any]) -> TimedIterator:
+    """iter() of a holder (webdataset's WebLoader) that iterates the torch loaders
+    `inner`: its batches timed and counted as the loop takes them; the torch loaders'
+    iterations report their workers only (hold)."""
+    start = perf_counter_ns()
+    hold(inner, dle)
+    dle.start_epoch(inner[0])
+    rechunked = len(getattr(holder, "pipeline", ())) > len(inner)
+    count = loader_len if rechunked else counter_for(inner[0])
+    return TimedIterator(iterate(holder), dle, start, 0, count)
 
 
 @contextlib.contextmanager
@@ -434,7 +417,7 @@ def measuring(obj: Any) -> Iterator[None]:
 
 
 # --- loaders instrumented by hand ---------------------------------------------------
-def adopt(loader_obj: Any, dle: Any) -> None:
+def adopt(loader_obj: Any, dle: Instruments) -> None:
     """Instruments a loader through the hook, and the copies frameworks build of it."""
     install()
     _loaders.put(loader_obj, dle)
@@ -448,15 +431,15 @@ def adopt(loader_obj: Any, dle: Any) -> None:
     _exit_report()
 
 
-def instruments(loader_obj: Any) -> Any:
+def instruments(loader_obj: Any) -> Instruments | None:
     """The instruments of an adopted or zero-code loader, or None."""
     return _loaders.get(loader_obj)
 
 
-_unused: list[Any] = []  # instruments of explicit loaders collected without a batch
+_unused: list[Instruments] = []  # instruments of explicit loaders collected without a batch
 
 
-def _collected(dle: Any) -> None:
+def _collected(dle: Instruments) -> None:
     if dle.explicit and not dle.iterated:
         _unused.append(dle)
 
@@ -465,8 +448,9 @@ def unmeasured() -> list[tuple[str, type]]:
     """Zero-code loaders whose class iterates in a way no hook sees, never measured."""
     out: list[tuple[str, type]] = []
     for dle in _loaders.values():
-        if not dle.explicit and not dle.iterated and unmeasurable(dle.loader_class):
-            out.append((dle.name, dle.loader_class))
+        cls = dle.loader_class
+        if not dle.explicit and not dle.iterated and cls is not None and unmeasurable(cls):
+            out.append((dle.name, cls))
     return out
 
 
@@ -497,13 +481,14 @@ def unmeasurable(cls: type | None) -> bool:
     is a generator function (hooks leave those alone, as they usually call torch's later,
     see _hook_class) in a class of its own."""
     it = getattr(cls, "__iter__", None)
-    return (cls is not None and inspect.isgeneratorfunction(it) and not hasattr(it, _MARK)
+    return (cls is not None and inspect.isgeneratorfunction(it) and not hasattr(it, MARK)
             and it is not TORCH_ITER)
 
 
 def _classes_of(name: str) -> list[type]:
     pending = list(_unused) + _loaders.values()
-    return [d.loader_class for d in pending if d.name == name and unmeasurable(d.loader_class)]
+    classes = [d.loader_class for d in pending if d.name == name]
+    return [cls for cls in classes if cls is not None and unmeasurable(cls)]
 
 
 def _at_exit() -> None:
@@ -511,7 +496,7 @@ def _at_exit() -> None:
         for name in never_iterated():
             odd = _classes_of(name)
             if odd:  # neither mode can time it: say so, and what would
-                envsettings.say_once(
+                envsettings.once.problem(
                     "unused:" + name, "dataloader %r: no batch of it was measured. %s.__iter__"
                     " is a generator that does not go through torch's DataLoader.__iter__, "
                     "which neither instrument.wrap() of the loader nor zero-code mode can "
@@ -519,27 +504,27 @@ def _at_exit() -> None:
                     "instrument.wrap(iter(loader), name=...) each epoch", log_name(name),
                     odd[0].__qualname__)
             elif _auto:  # zero-code mode sees every torch loader iterate: nothing did
-                envsettings.say_once("unused:" + name, "dataloader %r was built but never "
-                                     "iterated in this process", log_name(name))
+                envsettings.once.problem("unused:" + name, "dataloader %r was built but "
+                                         "never iterated in this process", log_name(name))
             else:
-                envsettings.say_once(
+                envsettings.once.problem(
                     "unused:" + name, "dataloader %r was built but never iterated: a "
                     "framework probably rebuilt it and iterated its own copy, which was "
                     "not instrumented. Run the program under `dataloader-exporter run -- "
                     "...` (or set DATALOADER_EXPORTER_AUTO=1) to instrument every loader "
                     "without code changes.", log_name(name))
         for name, cls in unmeasured():
-            envsettings.say_once(
+            envsettings.once.problem(
                 "unused:" + name, "dataloader %r: no batch of it was measured. %s.__iter__ is "
                 "a generator that does not go through torch's DataLoader.__iter__, which "
                 "zero-code mode cannot time; to measure it, time the loop's own iterator with "
                 "instrument.wrap(iter(loader), name=...) each epoch", log_name(name),
                 cls.__qualname__)
         for name in sorted(envsettings.unmatched()):
-            envsettings.say_once("unmatched:" + name, "%s names loader %r, but no loader "
-                                 "of that name was built here (loaders built: %s)",
-                                 ENV_SETTINGS, log_name(name),
-                                 ", ".join(map(log_name, envsettings.built())) or "none")
+            envsettings.once.problem(
+                "unmatched:" + name, "%s names loader %r, but no loader of that name was "
+                "built here (loaders built: %s)", ENV_SETTINGS, log_name(name),
+                ", ".join(map(log_name, envsettings.built())) or "none")
     except Exception:
         log.debug("exit report failed", exc_info=True)
 

@@ -1,16 +1,14 @@
-"""What every source collector shares: a name, health, an error count, log-once."""
+"""What every source collector shares: a name, health, an error count; and the families
+they build from catalogue entries. (Log-once is dataloader_exporter.core.logonce.)"""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 from prometheus_client.metrics_core import Metric as Family
 
 from dataloader_exporter.core.catalogue import COUNTER, GAUGE, HISTOGRAM, Metric
-
-log = logging.getLogger("dataloader_exporter.exporter")
 
 
 class SourceCollector(Protocol):
@@ -25,26 +23,6 @@ class SourceCollector(Protocol):
     errors: int
 
     def collect(self) -> Iterable[Family]: ...
-
-
-class LogOnce:
-    """Logs a problem the first time it is seen and again only after it cleared."""
-
-    def __init__(self, logger: logging.Logger = log, level: int = logging.WARNING) -> None:
-        self._logger = logger
-        self._level = level
-        self._active: set[str] = set()
-
-    def problem(self, key: str, msg: str, *args: object) -> None:
-        if key not in self._active:
-            self._active.add(key)
-            self._logger.log(self._level, msg, *args)
-
-    def cleared(self, key: str, msg: str = "", *args: object) -> None:
-        if key in self._active:
-            self._active.discard(key)
-            if msg:
-                self._logger.info(msg, *args)
 
 
 def family(metric: Metric, labels: Iterable[str] | None = None) -> Any:

@@ -23,7 +23,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric as Family
 
 from dataloader_exporter.core import catalogue as c
-from dataloader_exporter.exporter.collectors.base import LogOnce, family
+from dataloader_exporter.core.logonce import LogOnce
+from dataloader_exporter.exporter.collectors.base import family
 
 log = logging.getLogger("dataloader_exporter.exporter.gpu")
 

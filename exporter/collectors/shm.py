@@ -17,7 +17,8 @@ from prometheus_client.metrics_core import Metric as Family
 
 from dataloader_exporter.core import catalogue as c
 from dataloader_exporter.core.facts.shm import SHM_PATH, read_shm
-from dataloader_exporter.exporter.collectors.base import LogOnce, family
+from dataloader_exporter.core.logonce import LogOnce
+from dataloader_exporter.exporter.collectors.base import family
 
 log = logging.getLogger("dataloader_exporter.exporter.shm")
 

@@ -16,8 +16,9 @@ from prometheus_client.registry import Collector
 
 from dataloader_exporter import __version__
 from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.core.logonce import LogOnce
 
-from .base import LogOnce, SourceCollector, family
+from .base import SourceCollector, family
 
 log = logging.getLogger("dataloader_exporter.exporter")
 

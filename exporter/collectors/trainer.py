@@ -70,10 +70,11 @@ from typing import NamedTuple
 from prometheus_client.metrics_core import Metric as Family
 
 from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.core.logonce import LogOnce
 from dataloader_exporter.exporter.exposition import EncodedFamily
 
 from . import snapshot
-from .base import LogOnce, family
+from .base import family
 from .snapshot import Owner, Rejected, Snapshot, Stamp
 
 log = logging.getLogger("dataloader_exporter.exporter")

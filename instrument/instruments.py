@@ -1,0 +1,212 @@
+"""A loader's instruments: its link to the recorder, the sinks and the advice, and what it
+does at each turn of an iteration that the timed iterator (timed.py) reports."""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from time import perf_counter_ns
+from typing import Any
+
+import torch
+
+from dataloader_exporter.core.env import ENV_DIR
+from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
+from dataloader_exporter.core.logonce import LogOnce
+from dataloader_exporter.core.settings import log_name
+
+from . import compat, failures
+from .batch import batch_nbytes, move
+from .env import current_rank, local_world_size
+from .gpu import gpu_uuid
+from .hub import Hub, hub_for
+from .preflight import LoaderConfig, Preflight
+from .recorder import LoaderRecorder
+from .tracker import from_exitcode
+
+log = logging.getLogger("dataloader_exporter.instrument")
+
+MAX_PENDING_EVENTS = 4096  # CUDA event pairs kept waiting before the oldest are dropped
+WAIT_WRITE = 1.0  # seconds the loop's exception waits for the snapshot of a dead worker
+
+
+class Instruments:
+    """One loader object's link to its recorder, sinks and advice.
+
+    explicit: built by instrument.DataLoader or wrap() (not by zero-code mode), so a loader
+    that is never iterated is worth a word (see zerocode.py).
+    """
+
+    def __init__(self, name: str, registry: Any, metrics_dir: str | None,
+                 port: int | None, explicit: bool = True) -> None:
+        self.name = name
+        self.registry = registry
+        self.metrics_dir = metrics_dir
+        self.port = port
+        self.explicit = explicit
+        self.loader_class: type | None = None  # the class of the loader adopted (zerocode)
+        self.iterated = False
+        self.gpu_checked = False  # to_device onto CUDA has looked up the GPU's UUID
+        self.hub: Hub = hub_for(registry)
+        self.preflight = Preflight(name)
+        self.config = LoaderConfig(None, None, None, None, None)
+        self.epochs = 0
+        self._rec: LoaderRecorder | None = None
+        self._last_it: weakref.ref[Any] | None = None  # the iterator whose workers we track
+        self._last_gen = 0
+        self._failures = LogOnce(log)  # one line per failure cause
+        self._urgent_once: set[str] = set()  # causes whose first failure was waited for
+        # Workers a loader started outside __iter__ (prestart): their iterator and block.
+        self.started: tuple[weakref.ref[Any], torch.Tensor] | None = None
+        directory = metrics_dir or os.environ.get(ENV_DIR) or None
+        if directory:
+            self.hub.write_snapshots(directory)
+        if port is not None:
+            try:
+                self.hub.serve(port)
+            except OSError as e:
+                log.warning("dataloader %r: cannot serve metrics on port %s: %s "
+                            "(training goes on)", log_name(name), port, e)
+
+    @property
+    def rec(self) -> LoaderRecorder:
+        if self._rec is None:
+            self._rec = self.hub.recorder(self.name, current_rank())
+        return self._rec
+
+    def failed(self, cause: str, pid: int | None, seen: str) -> None:
+        """One line per failure cause with what to change (failures.fix)."""
+        if self._failures.seen(cause):
+            return
+        rec = self.rec
+        fig = rec.workers.proc_figures()
+        live = rec.workers.active or 0
+        rss = fig.rss_bytes // live if fig is not None and live else None
+        who = f" (worker pid {pid})" if pid else ""
+        text = failures.fix(cause, seen, self.config, max(rec.batch_bytes, 0),
+                            local_world_size(), shm_space(SHM_PATH), rss)
+        self._failures.problem(cause, "dataloader %r%s: %s", log_name(self.name), who, text)
+
+    def start_epoch(self, loader: Any) -> None:
+        """At iter(): the loader's settings. The epoch itself starts at its first batch (a
+        framework may call iter() to probe a loader and fetch nothing)."""
+        self.config = LoaderConfig.of(loader)
+        rec = self.rec
+        rec.workers.report = self.failed  # failures are said with this loader's settings
+        shm = shm_space(SHM_PATH)  # the trainer's own, which a doctor elsewhere cannot see
+        rec.config = {"loader": self.name, "rank": rec.rank, **self.config.labels(),
+                      "dev_shm_bytes": str(shm.size) if shm else ""}
+        if self.config.num_workers == 0:
+            rec.workers.blind = False
+            if rec.workers.active is None:
+                rec.workers.active = 0
+
+    def tracking(self, it: Any) -> bool:
+        """Whether `it` is the iterator whose workers are tracked already (persistent)."""
+        last = self._last_it() if self._last_it is not None else None
+        return last is not None and last is it
+
+    def track(self, it: Any, block: torch.Tensor | None) -> int:
+        """Tracks the workers of a new iterator until it is collected; 0 when there are none."""
+        if self.tracking(it):
+            return self._last_gen
+        workers = self.rec.workers
+        if self._last_gen and not self.config.persistent_workers:
+            workers.stop(self._last_gen)  # a new epoch: torch shuts the old ones down on purpose
+            self._last_gen = 0
+        pids = compat.worker_pids(it)
+        if block is None and not pids:
+            # Workers we cannot see (a loader that is not torch's) are unknown, not 0.
+            workers.blind = self.config.num_workers != 0
+            return 0
+        workers.blind = False
+        try:
+            self._last_it = weakref.ref(it)
+        except TypeError:  # cannot tell when it goes away, so its workers are not tracked
+            self._last_it = None
+            return 0
+        self._last_gen = self.rec.workers.start(it, block, pids)
+        return self._last_gen
+
+    def first_batch(self, batch: Any, since_iter_ns: int) -> None:
+        rec = self.rec
+        rec.first.append(since_iter_ns)
+        self.iterated = True
+        self.epochs += 1
+        rec.epochs += 1
+        try:
+            self.preflight.on_iter(self.config, self.epochs)
+        except Exception:  # advice must never stop training
+            log.debug("preflight failed", exc_info=True)
+        try:
+            rec.batch_bytes = batch_nbytes(batch)
+            self.preflight.on_first_batch(self.config, rec.batch_bytes)
+        except Exception as e:
+            reraise_torch_worker_error(e)
+            log.debug("first-batch preflight failed", exc_info=True)
+
+    def end(self, gen: int) -> None:
+        """The iterator is exhausted (StopIteration)."""
+        if gen and not self.config.persistent_workers:
+            self.rec.workers.stop(gen)  # torch has shut these workers down on purpose
+        self.hub.flush_now()
+
+    def error(self, exc: BaseException, it: Any, count: bool = True) -> None:
+        """The iterator `it` raised `exc` (the loop may catch it and go on): a worker gone
+        now is lost, the failure is counted by its cause, and the snapshot is written
+        (by the writer's thread, waited for up to WAIT_WRITE) before the exception goes on
+        to the loop: for every worker's death and /dev/shm failure, and for the first
+        error of the dataset (one that raises again and again costs nothing more). count
+        False: a holder's inner loader, whose holder counts the exception."""
+        self.iterated = True  # it was: a failed first batch is no framework's rebuild
+        workers = self.rec.workers
+        death = failures.deaths_in(exc)
+        workers.refresh(0.0, on_error=True, named=dict.fromkeys(*death) if death else None,
+                        exits=lambda pid: from_exitcode(compat.worker_exitcode(it, pid)))
+        if not count:
+            return
+        cause = None if death else failures.cause_of_error(exc, self.config.num_workers or 0)
+        if cause is not None:
+            workers.fail(cause, None, failures.first_line(exc))
+        if death or cause == failures.SHM or (cause is not None and
+                                               cause not in self._urgent_once):
+            if cause is not None:  # a dataset raising again and again waits once
+                self._urgent_once.add(cause)
+            self.hub.write_soon(wait=WAIT_WRITE)
+
+    def note_gpu(self, uuid: str) -> None:
+        """Labels dataloader_info with the GPU this loader's batches go to."""
+        self.rec.gpu_uuid = uuid
+
+    def to_device(self, batch: Any, device: Any, non_blocking: bool) -> Any:
+        rec = self.rec
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            if not self.gpu_checked:  # once: which GPU this rank feeds, for dataloader_info
+                self.gpu_checked = True
+                self.note_gpu(gpu_uuid(dev))
+            self.preflight.on_cuda_transfer(self.config)
+            stream = torch.cuda.current_stream(dev)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            out, nbytes = move(batch, dev, non_blocking)
+            end.record(stream)
+            if len(rec.pending_events) >= MAX_PENDING_EVENTS:
+                rec.pending_events.popleft()
+            rec.pending_events.append((start, end))
+        else:
+            t0 = perf_counter_ns()
+            out, nbytes = move(batch, dev, non_blocking)
+            rec.transfer.append(perf_counter_ns() - t0)
+        rec.transfer_bytes += nbytes
+        return out
+
+
+def reraise_torch_worker_error(e: Exception) -> None:
+    """A dead worker's error torch raised in our bookkeeping goes on to the loop."""
+    if failures.is_torch_worker_error(e):
+        raise e

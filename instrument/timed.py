@@ -1,0 +1,216 @@
+"""The timed iterator, and iter() of an instrumented loader: through its own __iter__, its
+new workers given their one hook (workers.py) while they start."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import weakref
+from collections.abc import Callable
+from time import perf_counter_ns
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from dataloader_exporter.core.settings import log_name
+
+from . import compat
+from .batch import batch_len, batch_nbytes, collated_len, item_len, loader_len
+from .instruments import Instruments, reraise_torch_worker_error
+from .originals import TORCH_ITER, lazy
+from .workers import TimedCollate, new_block
+
+Counter = Callable[[Any], "int | None"]
+
+log = logging.getLogger("dataloader_exporter.instrument")
+
+BYTES_EVERY = 64  # batches between two samples of the batch size in bytes
+
+
+def counter_for(loader: Any) -> Counter:
+    """How a torch loader's batches are counted (batch.py): by the shape default_collate
+    gives them, by the length their fields agree on (a custom collate_fn, checked against
+    the samples it was given), or, with batch_size=None, only on evidence of a batch."""
+    if getattr(loader, "batch_sampler", None) is None:
+        return item_len
+    return collated_len if getattr(loader, "collate_fn", None) is default_collate else batch_len
+
+
+class _Plan:
+    """What instrumented_iter hands torch's iterator: a collate_fn for its new workers (or
+    to check a custom collate_fn's counts in the main process), and their block."""
+
+    def __init__(self, loader: Any, dle: Instruments, quiet: bool) -> None:
+        dle.start_epoch(loader)
+        self.count = counter_for(loader)
+        workers = getattr(loader, "num_workers", 0) or 0
+        verify = self.count is batch_len and not quiet
+        self.block: torch.Tensor | None = None
+        self.collate: TimedCollate | None = None
+        current = compat.persistent_iterator(loader)
+        self.started = dle.started if dle.started and dle.started[0]() is current else None
+        self.reused = bool(workers) and (self.started is not None or (
+            bool(getattr(loader, "persistent_workers", False)) and dle.tracking(current)))
+        if not workers:
+            if verify:  # the main process checks a custom collate_fn's count itself
+                self.collate = TimedCollate(loader.collate_fn, None, True, True,
+                                            dle.rec.miscount)
+        elif not self.reused:  # new workers: their one hook (workers.py)
+            self.block = new_block(workers)
+            self.collate = TimedCollate(loader.collate_fn, self.block,
+                                        loader.batch_sampler is not None, verify)
+        self.workers = workers
+
+
+def instrumented_iter(loader: Any, dle: Instruments, torch_iter: Callable[[Any], Any],
+                      quiet: bool = False) -> Any:
+    """iter(loader) through its own __iter__ (`torch_iter`: torch's, or a subclass's),
+    timed, its new workers given a TimedCollate while they start (their one hook, see
+    workers.py); the loader's collate_fn is the user's again before this returns.
+
+    quiet: a holder (webdataset's WebLoader) measures the batches the loop takes; this
+    iterator only reports the workers and the end of its epochs. A loader this cannot
+    plan for (a subclass without torch's attributes) is iterated as it is, unmeasured.
+    A subclass's __iter__ that returns a generator has not run torch's yet: it is
+    returned as it is, and measured where torch's runs (zerocode.py).
+    """
+    start = perf_counter_ns()
+    try:
+        plan = _Plan(loader, dle, quiet)
+    except Exception:
+        log.warning("dataloader %r: cannot instrument %s; it runs unmeasured",
+                    log_name(dle.name), type(loader).__qualname__, exc_info=True)
+        return torch_iter(loader)
+    it = _with_collate(loader, plan.collate, torch_iter) if plan.collate else torch_iter(loader)
+    if torch_iter is not TORCH_ITER and inspect.isgenerator(it):
+        lazy(torch_iter)
+        return it
+    if plan.started is not None and plan.started[0]() is it:  # workers prestart() hooked
+        dle.started = None
+        plan.block = plan.started[1]
+    gen = dle.track(it, plan.block) if plan.workers else 0
+    cls = QuietIterator if quiet else TimedIterator
+    return cls(it, dle, start, gen, plan.count)
+
+
+def prestart(loader: Any, dle: Instruments, state_dict: Callable[[Any], Any]) -> Any:
+    """loader.state_dict() asked before the first iter(): torchdata starts the iterator
+    and its workers there, so they get their hook here, and iter() takes them over."""
+    workers = getattr(loader, "num_workers", 0) or 0
+    if not workers or compat.persistent_iterator(loader) is not None:
+        return state_dict(loader)
+    try:
+        block = new_block(workers)
+        collate = TimedCollate(loader.collate_fn, block, loader.batch_sampler is not None,
+                               counter_for(loader) is batch_len)
+    except Exception:
+        return state_dict(loader)
+    result = _with_collate(loader, collate, state_dict)
+    it = compat.persistent_iterator(loader)
+    if it is not None:
+        with contextlib.suppress(TypeError):
+            dle.started = (weakref.ref(it), block)
+    return result
+
+
+def _with_collate(loader: Any, collate: TimedCollate, torch_iter: Callable[[Any], Any]) -> Any:
+    """torch_iter(loader) while its collate_fn is `collate` (the user's again after)."""
+    user = loader.collate_fn
+    loader.collate_fn = collate
+    try:
+        return torch_iter(loader)
+    finally:
+        loader.collate_fn = user
+
+
+class TimedIterator:
+    """Times each next() of the iterator it holds; everything else passes through."""
+
+    __slots__ = ("__weakref__", "_count", "_done", "_gen", "_it", "_last", "_owner", "_rec",
+                 "_start")
+
+    def __init__(self, it: Any, owner: Instruments, start_ns: int, gen: int = 0,
+                 count: Counter = loader_len) -> None:
+        self._it = it
+        self._count = count
+        self._owner = owner
+        self._rec = owner.rec
+        self._start = start_ns
+        self._gen = gen
+        self._last = 0
+        self._done = False
+
+    def __iter__(self) -> TimedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        t0 = perf_counter_ns()
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._finish(True)
+            raise
+        except Exception as e:
+            self._finish(False, e)  # not the end: a loop may skip a bad batch and go on
+            raise
+        t1 = perf_counter_ns()
+        rec = self._rec
+        rec.fetch.append(t1 - t0)
+        if self._last:
+            rec.step.append(t0 - self._last)
+        else:
+            self._owner.first_batch(batch, t1 - self._start)
+        self._last = t1
+        rec.last_batch_ns = t1
+        rec.batches += 1
+        try:  # free in CPython 3.11 unless it raises; an odd batch must not stop training
+            n = self._count(batch)
+            if n is None:
+                rec.samples_known = False
+            else:
+                rec.samples += n
+            if not rec.batches % BYTES_EVERY:
+                rec.batch_bytes = batch_nbytes(batch)
+        except Exception as e:
+            reraise_torch_worker_error(e)
+        return batch
+
+    def _finish(self, clean: bool, exc: BaseException | None = None) -> None:
+        if clean and self._done:
+            return
+        self._done = self._done or clean
+        try:
+            if clean:
+                self._owner.end(self._gen)
+            elif exc is not None:
+                self._owner.error(exc, self._it, count=not isinstance(self, QuietIterator))
+        except Exception as e:
+            reraise_torch_worker_error(e)
+            log.debug("metrics bookkeeping failed at the end of an epoch", exc_info=True)
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in TimedIterator.__slots__:
+            raise AttributeError(name)
+        return getattr(self._it, name)
+
+
+class QuietIterator(TimedIterator):
+    """A held torch loader's iterator: its batches are measured by the holder; this only
+    ends its workers' generation and reports an error (see TimedIterator._finish)."""
+
+    __slots__ = ()
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._finish(True)
+            raise
+        except Exception as e:
+            self._finish(False, e)
+            raise
