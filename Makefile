@@ -5,8 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 CODE := dataloader_exporter core exporter diagnosis instrument dashboards
+# A second venv without torch (the dashboards and dev extras alone), where the tests of
+# the exporter, the doctor and the dashboards run: tests/conftest.py's TORCH_FREE modules.
+NOTORCH ?= .venv-notorch
+NOTORCH_STAMP := $(NOTORCH)/.installed
 
-.PHONY: demo test lint typecheck unit prometheus bench clean
+.PHONY: demo test lint typecheck unit notorch quick prometheus bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +20,13 @@ $(STAMP): pyproject.toml
 	# The frameworks must not have replaced it.
 	$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)' and 'torch was replaced: ' + torch.__version__)"
 	touch $(STAMP)
+
+$(NOTORCH_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(NOTORCH)
+	$(NOTORCH)/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dashboards,dev]"
+	# Nothing installed there brought torch along.
+	$(NOTORCH)/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') and 'torch is installed in $(NOTORCH)')"
+	touch $(NOTORCH_STAMP)
 
 # Debian's Prometheus server and promtool, for the tests that run them (root only).
 prometheus:
@@ -35,16 +46,28 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy dataloader_exporter
 
+# Each test runs once: those marked torch here, the others without torch (notorch).
 unit: $(STAMP) prometheus
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -m torch
 
-test: lint typecheck unit
+# The torch-free tests where torch cannot be imported: a TORCH_FREE module (or a helper it
+# uses) that imports torch fails its collection.
+notorch: $(NOTORCH_STAMP) prometheus
+	$(NOTORCH)/bin/pytest -m "not torch"
+
+test: lint typecheck notorch unit
+
+# The quick loop while editing, about a minute on 2 cores: every test but those marked slow
+# (real Prometheus servers, torchrun, frameworks, packaging venvs, many processes), with
+# torch. `make test` runs them all.
+quick: $(STAMP)
+	$(VENV)/bin/pytest -m "not slow"
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(NOTORCH) .mypy_cache .ruff_cache .pytest_cache
 
 # Regenerate the committed Grafana dashboards, provisioning and Prometheus rules.
 .PHONY: dashboards

@@ -27,7 +27,8 @@ def test_names_follow_prometheus_conventions() -> None:
 
 def test_no_metric_name_is_typed_outside_the_catalogue() -> None:
     names = {m.name for m in cat.ALL} | {m.family for m in cat.ALL}
-    for package in ("core", "exporter", "instrument", "diagnosis", "dashboards"):
+    # (diagnosis/ is a reader: its JSON report has keys such as shm_size_bytes of its own.)
+    for package in ("core", "exporter", "instrument", "dashboards"):
         for path in (REPO / package).rglob("*.py"):
             if path.name == "catalogue.py":
                 continue

@@ -30,7 +30,7 @@ TARGET = "dashboards-live"
 TRAINER = """
 import os, sys, time
 from dataloader_exporter import instrument
-from helpers import SleepDataset
+from torch_helpers import SleepDataset
 metrics_dir, stop = sys.argv[1], sys.argv[2]
 loader = instrument.DataLoader(SleepDataset(32, 0.002), batch_size=4, num_workers=2,
                                persistent_workers=True, name="train", metrics_dir=metrics_dir)

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import require_module
-from helpers import SleepDataset, scrape, value
+from helpers import scrape, value
 from procs import REPO, SCRIPTS, Run, built_at, run_script
 from prometheus_client import CollectorRegistry
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
@@ -293,9 +294,9 @@ class Lonely(TorchDataLoader):  # type: ignore[type-arg]
 
 
 def test_a_loader_class_nothing_can_time_is_named_as_such_at_exit(tmp_path: Path) -> None:
-    code = ("import instrument, torch\n"
+    code = ("import dataloader_exporter, torch\n"
             "from test_data_libraries import Lonely\n"
-            "loader = instrument.wrap(Lonely([torch.ones(2)] * 3), name='odd')\n"
+            "loader = dataloader_exporter.wrap(Lonely([torch.ones(2)] * 3), name='odd')\n"
             "assert sum(1 for _ in loader) == 3\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                          text=True, timeout=60,

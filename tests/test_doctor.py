@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import SleepDataset, small_tmpfs
+from helpers import small_tmpfs
 from procs import REPO, Prometheus
 from prometheus_client import CollectorRegistry
+from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core.facts.storage import storage_kind

@@ -37,7 +37,7 @@ TRAIN = """
 import json, sys, time
 from pathlib import Path
 from dataloader_exporter import instrument
-from helpers import SleepDataset
+from torch_helpers import SleepDataset
 a = json.loads(sys.argv[1])
 loader = instrument.DataLoader(SleepDataset(a["n"], a["delay"]), batch_size=a["batch_size"],
                                name="train", metrics_dir=a["dir"])
@@ -357,7 +357,7 @@ STEADY = """
 import sys, time
 from pathlib import Path
 from dataloader_exporter import instrument
-from helpers import SleepDataset
+from torch_helpers import SleepDataset
 loader = instrument.DataLoader(SleepDataset(64), batch_size=4, num_workers=2,
                                persistent_workers=True, name="train", metrics_dir=sys.argv[1])
 stop = Path(sys.argv[2])

@@ -4,8 +4,8 @@ loader built with that environment then takes (diagnosis to fix, no code change)
 from __future__ import annotations
 
 import pytest
-from helpers import SleepDataset
 from prometheus_client import CollectorRegistry
+from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core.env import ENV_SETTINGS

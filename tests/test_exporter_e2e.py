@@ -7,9 +7,10 @@ import urllib.request
 from pathlib import Path
 
 import psutil
-from helpers import BurnDataset, wait_for_write
+from helpers import wait_for_write
 from procs import Exporter, Prometheus, scalar
 from prometheus_client import CollectorRegistry
+from torch_helpers import BurnDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat

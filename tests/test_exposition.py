@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from helpers import SleepDataset
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -18,6 +17,7 @@ from prometheus_client import (
 )
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
+from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat

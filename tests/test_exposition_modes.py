@@ -28,7 +28,7 @@ TRAINER = """
 import os, sys, time
 from prometheus_client import REGISTRY
 from dataloader_exporter import DataLoader
-from helpers import SleepDataset
+from torch_helpers import SleepDataset
 train_port, eval_port, global_port = map(int, sys.argv[1:4])
 stop = sys.argv[4]
 train = DataLoader(SleepDataset(16), batch_size=4, num_workers=2, persistent_workers=True,

@@ -13,9 +13,9 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from helpers import SleepDataset
 from procs import REPO, Exporter
 from prometheus_client import CollectorRegistry
+from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core.settings import (

@@ -6,8 +6,9 @@ import time
 
 import pytest
 import torch
-from helpers import BurnDataset, SleepDataset, refreshes, scrape, value
+from helpers import refreshes, scrape, value
 from prometheus_client import CollectorRegistry
+from torch_helpers import BurnDataset, SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat

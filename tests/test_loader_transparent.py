@@ -10,7 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import (
+from helpers import refreshes, scrape, value
+from prometheus_client import CollectorRegistry
+from torch.utils.data import BatchSampler, RandomSampler
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data.datapipes.iter import IterableWrapper
+from torch_helpers import (
     BurnDataset,
     FailingDataset,
     GetItemsDataset,
@@ -19,14 +24,7 @@ from helpers import (
     SleepDataset,
     WhoAmI,
     WhoAmIIterable,
-    refreshes,
-    scrape,
-    value,
 )
-from prometheus_client import CollectorRegistry
-from torch.utils.data import BatchSampler, RandomSampler
-from torch.utils.data import DataLoader as TorchDataLoader
-from torch.utils.data.datapipes.iter import IterableWrapper
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat

@@ -46,6 +46,18 @@ def test_the_image_installs_no_torch_and_copies_only_files_that_exist() -> None:
             assert (REPO / src).exists(), src
 
 
+def test_both_images_copy_every_folder_the_namespace_links_to() -> None:
+    """dataloader_exporter/ reaches core/, exporter/, ... through relative links, which
+    COPY keeps as links: the folders must be copied beside it for `pip install .`."""
+    linked = {p.name for p in (REPO / "dataloader_exporter").iterdir() if p.is_symlink()}
+    assert linked == {"core", "exporter", "instrument", "diagnosis", "dashboards"}, linked
+    for dockerfile in (REPO / "Dockerfile", REPO / "docker" / "trainer.Dockerfile"):
+        text = re.sub(r"\\\n", " ", dockerfile.read_text())
+        copied = {line.split()[1] for line in text.splitlines()
+                  if line.startswith("COPY ") and "--from" not in line}
+        assert linked | {"dataloader_exporter"} <= copied, (dockerfile.name, copied)
+
+
 PIP = ("-m", "pip", "install", "--quiet", "--disable-pip-version-check")
 
 
@@ -121,7 +133,8 @@ def test_the_torch_extra_alone_runs_an_instrumented_loader(tmp_path: Path, wheel
     python = fresh_venv(tmp_path / "venv", f"torch=={torch.__version__.split('+')[0]}")
     subprocess.run([str(python), *PIP, f"{wheel}[torch]"], check=True, timeout=600,
                    cwd=tmp_path)
-    code = ("import instrument; dl = instrument.DataLoader(list(range(6)), batch_size=2); "
+    code = ("from dataloader_exporter import DataLoader; "
+            "dl = DataLoader(list(range(6)), batch_size=2); "
             "print(sum(len(b) for b in dl))")
     result = subprocess.run([str(python), "-c", code], capture_output=True, text=True,
                             cwd=tmp_path, timeout=300)
@@ -131,4 +144,20 @@ def test_the_torch_extra_alone_runs_an_instrumented_loader(tmp_path: Path, wheel
 
 def test_the_wheel_ships_zero_code_modes_start_up_hook(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as z:
-        assert "instrument/autorun/sitecustomize.py" in z.namelist()
+        assert "dataloader_exporter/instrument/autorun/sitecustomize.py" in z.namelist()
+
+
+def test_the_wheel_installs_one_namespace_and_the_files_behind_its_links(wheel: Path) -> None:
+    """Nothing but dataloader_exporter at the top of site-packages (a user's own
+    exporter.py or instrument/ can shadow no module of ours), and every package the
+    namespace links to shipped as real files."""
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert tops == {"dataloader_exporter", "dataloader_exporter-0.1.0.dist-info"}, tops
+    for package in ("core", "core/facts", "exporter", "exporter/collectors", "instrument",
+                    "diagnosis", "dashboards"):
+        assert f"dataloader_exporter/{package}/__init__.py" in names, package
+    shipped = {n for n in names if n.endswith(".py")}
+    for source in (REPO / "core").rglob("*.py"):
+        assert f"dataloader_exporter/{source.relative_to(REPO).as_posix()}" in shipped

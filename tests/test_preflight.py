@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from helpers import SleepDataset
 from prometheus_client import CollectorRegistry
+from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import advisor

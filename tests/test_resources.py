@@ -11,8 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from helpers import SleepDataset, deadline_poll
+from helpers import deadline_poll
 from torch.utils.data import DataLoader as TorchDataLoader
+from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 

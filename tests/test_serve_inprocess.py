@@ -6,8 +6,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-from helpers import SleepDataset, parse
+from helpers import parse
 from prometheus_client import CollectorRegistry
+from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 import torch
-from helpers import SleepDataset
 from prometheus_client import CollectorRegistry
+from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat

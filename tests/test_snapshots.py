@@ -11,8 +11,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import SleepDataset, deadline_poll, parse, scrape, small_tmpfs, wait_for_write
+from helpers import deadline_poll, parse, scrape, small_tmpfs, wait_for_write
 from prometheus_client import CollectorRegistry, generate_latest
+from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
@@ -66,7 +67,7 @@ def test_a_short_run_writes_its_last_snapshot_at_exit(tmp_path: Path) -> None:
         import sys
         sys.path.insert(0, {str(REPO / 'tests')!r})
         from dataloader_exporter import instrument
-        from helpers import SleepDataset
+        from torch_helpers import SleepDataset
         loader = instrument.DataLoader(SleepDataset(10), batch_size=3, name="t")
         it = iter(loader)
         next(it); next(it)

@@ -13,9 +13,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from helpers import SleepDataset
 from procs import REPO
 from prometheus_client import CollectorRegistry
+from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.diagnosis import top

@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import SleepDataset, parse, scrape
+from helpers import parse, scrape
 from prometheus_client import CollectorRegistry, generate_latest
+from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat

@@ -220,8 +220,9 @@ def test_the_snapshot_is_written_before_the_exception_reaches_the_loop(
         tmp_path: Path) -> None:
     """No periodic write for an hour: what the file says right after the loop caught the
     exception was written on the way to it."""
-    from helpers import FailingDataset, parse
+    from helpers import parse
     from prometheus_client import CollectorRegistry
+    from torch_helpers import FailingDataset
 
     from dataloader_exporter import instrument
 
@@ -295,8 +296,8 @@ def test_a_worker_that_ended_cleanly_is_not_lost_when_another_raises(tmp_path: P
 def test_worker_time_is_left_out_when_workers_live_shorter_than_a_reading() -> None:
     """Epochs of a fraction of a second without persistent workers: each worker is read at
     most once, so there is no interval to count: unknown, not 0."""
-    from helpers import SleepDataset
     from prometheus_client import CollectorRegistry
+    from torch_helpers import SleepDataset
 
     from dataloader_exporter import instrument
 

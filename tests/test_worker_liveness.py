@@ -12,9 +12,10 @@ from typing import Any, cast
 
 import pytest
 import torch
-from helpers import FailingDataset, SleepDataset, parse, refreshes, value
+from helpers import parse, refreshes, value
 from prometheus_client import CollectorRegistry
 from torch.utils.data import IterableDataset
+from torch_helpers import FailingDataset, SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SleepDataset, value
+from helpers import value
 from procs import REPO, SCRIPTS, Run, built_at, run_script
 from prometheus_client import CollectorRegistry
 from torch.utils.data import DataLoader as TorchDataLoader
+from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
@@ -110,7 +111,7 @@ def test_a_lookup_of_torch_before_its_import_does_not_switch_the_hook_off(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([autorun_dir(), str(REPO)]),
            "DATALOADER_EXPORTER_AUTO": "1"}
     code = ("import importlib.util; importlib.util.find_spec('torch'); import torch; "
-            "from instrument import zerocode; "
+            "from dataloader_exporter.instrument import zerocode; "
             "print(torch.utils.data.DataLoader.__iter__ is zerocode._hooked_iter)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60, cwd=tmp_path)
@@ -228,7 +229,7 @@ SIDE_BY_SIDE = """
 import gc, json, os, time
 import torch
 from torch.utils.data import DataLoader
-from helpers import FailingDataset, SleepDataset
+from torch_helpers import FailingDataset, SleepDataset
 
 def fds():
     return len(os.listdir('/proc/self/fd'))
