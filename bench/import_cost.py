@@ -6,7 +6,10 @@ training script has): wall time and modules added, median of fresh interpreters.
                                                      # `from instrument import DataLoader`
 
 The cases alternate run by run, so that a machine's noise falls on both alike (these
-machines differ up to 6x in speed): compare the figures of one run, not of two.
+machines differ up to 6x in speed): compare the figures of one run, not of two. Each is
+measured twice: as a training script runs it, and with the garbage collector off, since
+after torch's import the allocations of any import of some size set off one full
+collection over torch's objects (about 100 ms here) that is not the import's own work.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ import subprocess
 import sys
 
 PROBE = """
-import json, sys, time
+import gc, json, sys, time
 import torch, torch.utils.data
+if {no_gc}:  # the import's own work, without the full collection it may set off
+    gc.collect()
+    gc.disable()
 before = set(sys.modules)
 start = time.perf_counter()
 {statement}
@@ -33,11 +39,11 @@ print(json.dumps({{"ms": took * 1000, "modules": len(added),
 """
 
 
-def measure(statement: str, pythonpath: str | None) -> dict[str, object]:
+def measure(statement: str, pythonpath: str | None, no_gc: bool) -> dict[str, object]:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    out = subprocess.run([sys.executable, "-c", PROBE.format(statement=statement)],
+    out = subprocess.run([sys.executable, "-c", PROBE.format(statement=statement, no_gc=no_gc)],
                          capture_output=True, text=True, check=True, timeout=300, env=env,
                          cwd=pythonpath or None)
     result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -54,13 +60,15 @@ def main() -> int:
     cases = {args.statement: None}
     if args.old_tree:
         cases["from instrument import DataLoader"] = os.path.abspath(args.old_tree)
-    results: dict[str, list[dict[str, object]]] = {c: [] for c in cases}
+    results: dict[tuple[str, bool], list[dict[str, object]]] = {
+        (c, g): [] for c in cases for g in (False, True)}
     for _ in range(args.runs):
-        for statement, tree in cases.items():
-            results[statement].append(measure(statement, tree))
-    for statement, runs in results.items():
+        for statement, no_gc in results:
+            results[statement, no_gc].append(measure(statement, cases[statement], no_gc))
+    for (statement, no_gc), runs in results.items():
         ms = [float(str(r["ms"])) for r in runs]
-        print(f"{statement!r}: median {statistics.median(ms):.0f} ms "
+        how = "garbage collector off" if no_gc else "as a script runs it"
+        print(f"{statement!r} ({how}): median {statistics.median(ms):.0f} ms "
               f"(min {min(ms):.0f}, max {max(ms):.0f}) over {args.runs} runs; "
               f"{runs[0]['modules']} modules added; server/doctor modules among them: "
               f"{runs[0]['asyncio_or_http'] or 'none'}")
