@@ -47,6 +47,7 @@ TORCH_FREE = frozenset({
     "test_sidecar_floods.py",
     "test_snapshot_files.py",
     "test_snapshot_fuzz.py",
+    "test_tuner.py",
     "test_webconfig.py",
 })
 # Tests of TORCH_FREE modules that run a trainer all the same (a process of their own, or
