@@ -37,8 +37,6 @@ SETTINGS: dict[str, tuple[type, int]] = {
 MAXIMA: dict[str, int] = {"num_workers": 1024, "prefetch_factor": 1024}
 NEEDS_WORKERS = ("prefetch_factor", "persistent_workers")  # torch refuses them without workers
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]+$")  # what a loader label may be (names have no '=' or ',')
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
 _WHOLE = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() also reads '\u0663' and '\uff18'
 LOG_NAME_CHARS = 60  # a longer name is cut to this many characters in log lines
 
@@ -63,14 +61,24 @@ def log_name(name: str) -> str:
     return f"{name[:LOG_NAME_CHARS]}\u2026({len(name)} chars)"
 
 
+def parse_bool(text: str) -> bool | None:
+    """'true', 'yes', 'on', '1' / 'false', 'no', 'off', '0' (any case); None otherwise.
+    The one reading of a switch, for settings lines and the sidecar's flags alike."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
 def _value(kind: type, least: int, most: int | None, raw: str) -> Value:
     text = raw.strip().lower()
     if kind is bool:
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-        raise ValueError("expected true or false")
+        switch = parse_bool(text)
+        if switch is None:
+            raise ValueError("expected true or false")
+        return switch
     if not _WHOLE.fullmatch(text):
         raise ValueError("expected a whole number (digits 0-9)")
     if len(text.lstrip("+-").lstrip("0")) > 9:  # int() of 100 kB of digits: slow, refused

@@ -14,8 +14,6 @@ from dataloader_exporter.core import catalogue as cat
 from . import dcgm
 from .model import CRITICAL, EXPORTER_CONTAINER, EXPORTER_JOB, WARNING, Alert
 from .promql import (
-    CPU_CONTENTION,
-    STRAGGLER,
     quantile,
     ratio,
     sel,
@@ -68,7 +66,7 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "DataLoaderInputStraggler",
-        f"{straggler_excess('', WINDOW)} >= {STRAGGLER}",
+        f"{straggler_excess('', WINDOW)} >= {bands.STRAGGLER}",
         "10m", WARNING,
         "Input straggler: {{ $labels.loader }} rank {{ $labels.rank }} holds back the other "
         "ranks of {{ $labels.job }}",
@@ -132,11 +130,11 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "DataLoaderWorkersCpuStarved",
-        f"({worker_state_share('waiting_for_cpu', '', WINDOW)} >= {CPU_CONTENTION}) and "
+        f"({worker_state_share('waiting_for_cpu', '', WINDOW)} >= {bands.CPU_CONTENTION}) and "
         f"({stall_share('', WINDOW)} > {bands.INPUT_BOUND})",
         "10m", WARNING,
         f"DataLoader workers starved of CPU: {LOADER}",
-        f"The loader's workers spent {round(CPU_CONTENTION * 100)}% of their time or more"
+        f"The loader's workers spent {round(bands.CPU_CONTENTION * 100)}% of their time or more"
         " waiting for a CPU (runnable, in the run queue) for 10 minutes, while the training"
         f" loop waited for data over {bands.INPUT_BOUND:.0%} of the time: there are more "
         "runnable workers than"

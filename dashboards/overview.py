@@ -33,7 +33,6 @@ from .promql import (
     HOST,
     LOADER,
     RATE_INTERVAL,
-    STRAGGLER,
     job_stall_share,
     mean,
     quantile,
@@ -109,7 +108,7 @@ headline = Row("Is the GPU starving?", (
           "waits for their input at each step. Good: 0. Otherwise see Input stragglers by "
           "rank for which, and fix that rank's input (its host's storage, cores, /dev/shm, "
           "num_workers), not the others'.",
-          COUNT, (("stragglers", f"count(({straggler_excess(LOADER, W)}) >= {STRAGGLER}) or "
+          COUNT, (("stragglers", f"count(({straggler_excess(LOADER, W)}) >= {bands.STRAGGLER}) or "
                                  f"(0 * count({rank_fetch_per_batch(LOADER, W)}))"),),
           STAT, ((None, "green"), (1, "red"))),
 ))
@@ -151,7 +150,7 @@ stall = Row("Where the time goes", (
           f"64 ranks. Good: every bar under {bands.MODERATE:.0%} (red from there: an input "
           "straggler)." ,
           RATIO, ((BY_RANK, f"topk(10, {straggler_excess(LOADER, W)})"),), BARGAUGE,
-          ((None, "green"), (STRAGGLER, "red")), 0, 1),
+          ((None, "green"), (bands.STRAGGLER, "red")), 0, 1),
     Panel("The job's stall against each rank's own",
           "Per job and loader the job-level stall share (what every rank loses), and each "
           "rank's own share. Good: all low. A rank's own share far above the others' is an "

@@ -7,7 +7,6 @@ the two cannot drift apart. No metric name is typed here: they come from the cat
 
 from __future__ import annotations
 
-from dataloader_exporter.core import bands
 from dataloader_exporter.core import catalogue as cat
 
 RATE_INTERVAL = "$__rate_interval"
@@ -80,9 +79,6 @@ def ratio(numerator: cat.Metric, denominator: cat.Metric, matchers: str = "") ->
 
 
 # --- the workers, as the trainer reads them from /proc ------------------------------------
-# Of the workers' wall time waiting for a CPU from which they are starved of it, as the
-# doctor judges it.
-CPU_CONTENTION = bands.CPU_CONTENTION
 
 
 def workers_by_state(matchers: str, window: str, by: str) -> str:
@@ -105,7 +101,6 @@ def worker_state_share(state: str, matchers: str, window: str) -> str:
 # series, for panels and alerts; dashboards.recording records the same from its rules.
 JOB_KEYS = "namespace, job, loader"
 RANK_KEYS = f"{JOB_KEYS}, rank"
-STRAGGLER = bands.STRAGGLER  # of the batch period, as the doctor judges it
 
 
 def _per_rank(expr: str) -> str:

@@ -4,10 +4,11 @@ why they failed. Each panel reads per loader; the $rank variable picks ranks."""
 
 from __future__ import annotations
 
+from dataloader_exporter.core import bands
 from dataloader_exporter.core import catalogue as cat
 
 from .model import BYTES, BYTES_PER_SECOND, COUNT, Panel, Row
-from .promql import CPU_CONTENTION, LOADER, RATE_INTERVAL, rate, sel, workers_by_state
+from .promql import LOADER, RATE_INTERVAL, rate, sel, workers_by_state
 
 W = RATE_INTERVAL
 _ROOM = 'kind="available"'  # not the workers' memory: what more of them would have to fit in
@@ -22,7 +23,7 @@ WHY_WORKERS = Row("Why the workers are slow, and why they fail", (
           "queue or sleep); from /proc, Linux only. Good: while the loop waits for data (Input "
           "stall share high) the largest part says what to fix. Mostly running: the samples "
           "cost CPU (more workers only if cores are free, else cheaper samples or more cores). "
-          f"Waiting for a CPU {round(CPU_CONTENTION * 100)}% of the time or more: too many "
+          f"Waiting for a CPU {round(bands.CPU_CONTENTION * 100)}% of the time or more: too many "
           "workers for the cores they get (fewer workers; DataLoaderWorkersCpuStarved). "
           "Mostly blocked: storage or the network (more workers, a deeper prefetch_factor, "
           "caching, faster storage). While the loop does not wait, blocked is mostly workers "

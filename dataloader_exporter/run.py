@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not env.get(ENV_DIR):
         print(f"dataloader-exporter run: note: no --metrics-dir (or {ENV_DIR}): loaders are "
-              "instrumented, but their metrics leave only through instrument.serve()",
+              "instrumented, but their metrics leave only through dataloader_exporter.serve()",
               file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -23,11 +23,6 @@ from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.signals import LoaderSignals
 from dataloader_exporter.diagnosis.units import gib, ms, pct
 
-INPUT_BOUND = bands.INPUT_BOUND
-MODERATE = bands.MODERATE
-SHM_SAFETY = bands.SHM_SAFETY
-shm_in_flight = bands.shm_in_flight
-shm_size_advice = bands.shm_size_advice
 FIRST_BATCH_FACTOR = 10.0  # a first batch this many times the median wait is a stall
 FIRST_BATCH_MIN = 0.5  # seconds: shorter first batches are not worth a finding
 STORAGE_WORKERS = advisor.STORAGE_WORKERS
@@ -78,9 +73,9 @@ def verdict(stall: float | None, batches: float) -> str:
     if stall is None or batches <= 0:
         return "idle"
     pct = points(stall)
-    if pct >= points(INPUT_BOUND):
+    if pct >= points(bands.INPUT_BOUND):
         return "input-bound"
-    if pct >= points(MODERATE):
+    if pct >= points(bands.MODERATE):
         return "moderately input-bound"
     return "not input-bound"
 
@@ -196,11 +191,11 @@ def _findings(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
         d.findings.append(Finding("ended-abruptly", _abrupt(s)))
     if s.workers_lost > 0:  # counted only for workers that died while still needed
         d.findings.append(Finding("lost-workers", failures.lost_message(s)))
-    in_flight = (shm_in_flight(s.batch_bytes, cfg.prefetch, cfg.workers, local_ranks)
+    in_flight = (bands.shm_in_flight(s.batch_bytes, cfg.prefetch, cfg.workers, local_ranks)
                  if s.batch_bytes and cfg.workers else None)
     shm_total = _shm_total(s, machine)
     d.failures = failures.entries(s, d.workers, failures.Shm(
-        shm_total, in_flight, None if in_flight is None else shm_size_advice(in_flight)),
+        shm_total, in_flight, None if in_flight is None else bands.shm_size_advice(in_flight)),
         cfg.workers)
     d.findings += [Finding(f"failure-{f['cause']}", f"{f['seen']}. Fix: {f['fix']}")
                    for f in d.failures]
@@ -211,7 +206,7 @@ def _findings(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
             d.findings.append(Finding("shm-risk", (
                 f"/dev/shm risk: batches in flight need {gib(in_flight)} "
                 f"(batch {gib(s.batch_bytes)} x prefetch {cfg.prefetch} x {cfg.workers} "
-                f"workers x {local_ranks} ranks x {SHM_SAFETY}) but /dev/shm holds "
+                f"workers x {local_ranks} ranks x {bands.SHM_SAFETY}) but /dev/shm holds "
                 f"{gib(shm_total)}: expect bus errors")))
         available = (s.memory_available if s.memory_available is not None
                      else machine.memory_available)
@@ -287,9 +282,9 @@ def _recommend(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
             "with pinned memory, to_device(..., non_blocking=True) lets the copy overlap the "
             "previous step")))
     shm_total = _shm_total(s, machine)
-    needed = shm_in_flight(s.batch_bytes or 0, want_prefetch, eff_workers, local_ranks)
+    needed = bands.shm_in_flight(s.batch_bytes or 0, want_prefetch, eff_workers, local_ranks)
     if eff_workers and needed and (shm_total is None or needed > shm_total):
-        rec.append(Recommendation("--shm-size", shm_size_advice(needed),
+        rec.append(Recommendation("--shm-size", bands.shm_size_advice(needed),
                                   gib(shm_total) if shm_total else "unknown", (
             f"workers hand batches over through /dev/shm and about {gib(needed)} are in "
             "flight; Kubernetes: a memory-backed emptyDir at /dev/shm")))

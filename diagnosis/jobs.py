@@ -8,7 +8,7 @@ slowest rank's), exactly what the recording rule job_loader:dataloader_input_sta
 computes (dashboards.recording). A single process gives its own share, as before.
 
 A rank is an input straggler when its fetch wait per batch exceeds the median rank's by
-STRAGGLER of the batch period or more: that much of every other rank's time is spent
+bands.STRAGGLER of the batch period or more: that much of every other rank's time is spent
 waiting for its input. The median interpolates as Prometheus's quantile(0.5) does, so
 the alert DataLoaderInputStraggler and the doctor agree. A fast rank's wait for the
 straggler happens inside its step (in the all-reduce), where no timer of ours can tell
@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 
 from dataloader_exporter.core import bands
 from dataloader_exporter.diagnosis.signals import LoaderSignals
-
-STRAGGLER = bands.STRAGGLER  # of the batch period
 
 
 def points(share: float) -> int:
@@ -105,7 +103,7 @@ def job(loader: str, signals: list[LoaderSignals]) -> Job:
     if len(times) >= 2 and period > 0:
         for t in sorted(times, key=lambda t: _rank_key(t.rank)):
             excess = (t.fetch - median) / period
-            if excess >= STRAGGLER:  # as the rule and the alert compare it
+            if excess >= bands.STRAGGLER:  # as the rule and the alert compare it
                 j.stragglers.append(Straggler(t.rank, t.fetch, excess))
         j.waiting = {t.rank: t.step - fastest for t in times}
     return j

@@ -8,7 +8,7 @@ while the training loop waits for input: otherwise blocked time is mostly worker
 on a full queue, and the bottleneck is "none". While it waits:
 
 - workers that swap, or whose next worker would not fit in memory, are bound by memory;
-- workers that wait for a CPU CPU_CONTENTION of their time or more are too many for the
+- workers that wait for a CPU bands.CPU_CONTENTION of their time or more are too many for the
   cores they get (more workers than cores, or other processes on them): fewer;
 - otherwise the larger of running and blocked decides: running is CPU-bound work (more
   workers only where cores are free, else cheaper samples or more cores); blocked waits
@@ -31,8 +31,6 @@ from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.signals import LoaderSignals
 from dataloader_exporter.diagnosis.units import gib, pct
 
-CPU_CONTENTION = bands.CPU_CONTENTION  # of the workers' wall time waiting for a CPU
-MEMORY_RESERVE = bands.MEMORY_RESERVE  # of total memory kept available after adding workers
 MiB = float(1 << 20)
 # Growth of the workers' swap in a window: a few pages swapped out are noise, a MiB paging.
 SWAP_GROWTH = MiB
@@ -77,19 +75,19 @@ def _rate(x: float | None, seconds: float) -> float | None:
 
 
 def memory_room(s: LoaderSignals, machine: Machine) -> tuple[float, str] | None:
-    """Memory more workers may take, keeping MEMORY_RESERVE free: the tighter of the
+    """Memory more workers may take, keeping bands.MEMORY_RESERVE free: the tighter of the
     container's limit (when the exporter reports its cgroup) and the host's available."""
     if s.workers.available is not None:  # the trainer's own container, while it worked
         total = s.memory_total or machine.memory_total or 0
-        return max(0.0, s.workers.available - MEMORY_RESERVE * total), "trainer"
+        return max(0.0, s.workers.available - bands.MEMORY_RESERVE * total), "trainer"
     options = []
     if s.cgroup_limit and s.cgroup_usage is not None:
-        options.append((s.cgroup_limit * (1 - MEMORY_RESERVE) - s.cgroup_usage, "cgroup"))
+        options.append((s.cgroup_limit * (1 - bands.MEMORY_RESERVE) - s.cgroup_usage, "cgroup"))
     available = s.memory_available if s.memory_available is not None else \
         machine.memory_available
     total = s.memory_total or machine.memory_total
     if available is not None and total:
-        options.append((available - MEMORY_RESERVE * total, "host"))
+        options.append((available - bands.MEMORY_RESERVE * total, "host"))
     if not options:
         return None
     room, where = min(options)
@@ -146,7 +144,7 @@ def _bottleneck(v: WorkerView, s: LoaderSignals, starved: bool) -> tuple[str, st
     if v.running_share is None or v.waiting_for_cpu_share is None or v.blocked_share is None:
         return UNKNOWN, ("where the workers' time goes is unknown: no /proc figures (Linux) "
                          "from a loader with workers")
-    if v.waiting_for_cpu_share >= CPU_CONTENTION:
+    if v.waiting_for_cpu_share >= bands.CPU_CONTENTION:
         return CONTENTION, (f"the workers wait for a CPU {pct(v.waiting_for_cpu_share)} of "
                             "their time: more workers than the cores they get, or other "
                             "processes on those cores")
@@ -258,7 +256,7 @@ def _memory_cap(v: WorkerView, s: LoaderSignals, workers: int, advice: Advice) -
         v.memory_room_source or "", "the host's available memory")
     limit = (f"memory, not CPU, is the limit: each worker holds {gib(v.rss_bytes or 0.0)} "
              f"({_kind(v)}); {gib(v.memory_room_bytes or 0.0)} available allows {allowed} more "
-             f"({source}, keeping {pct(MEMORY_RESERVE)} of the total free)")
+             f"({source}, keeping {pct(bands.MEMORY_RESERVE)} of the total free)")
     if allowed == 0 and v.bottleneck in (CPU, BLOCKED):  # not one more worker fits
         v.bottleneck, v.why = MEMORY, f"{v.why}; {limit}"
     return Advice(workers + allowed, f"{advice.why}; {limit}")

@@ -10,22 +10,14 @@ import math
 import re
 
 from dataloader_exporter.core.problems import Problems
-from dataloader_exporter.core.settings import log_name
+from dataloader_exporter.core.settings import log_name, parse_bool
+
+__all__ = ["parse_address", "parse_bool", "parse_count", "parse_seconds"]
 
 _DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h|d|w)?")  # ASCII: float() reads '\u0663'
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0,
          None: 1.0}
 _MAX_DIGITS = 18  # a count or a duration longer than this is a typo (and int() of 100 kB is slow)
-
-
-def parse_bool(text: str) -> bool | None:
-    """'true', 'yes', 'on', '1' / 'false', 'no', 'off', '0' (any case); None otherwise."""
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    return None
 
 
 def parse_seconds(text: str) -> float:

@@ -3,10 +3,10 @@
     from dataloader_exporter import DataLoader          # instead of torch.utils.data.DataLoader
     loader = DataLoader(ds, batch_size=64, num_workers=4, name="train")
 
-or, for a loader built elsewhere, ``loader = instrument.wrap(loader, name="train")``; or
-no code at all: ``dataloader-exporter run -- COMMAND`` (zero-code mode, zerocode.py).
-Metrics go to snapshot files (metrics_dir= or $DATALOADER_EXPORTER_DIR) for the
-sidecar exporter, and/or are served in-process (port= or instrument.serve()).
+or, for a loader built elsewhere, ``loader = dataloader_exporter.wrap(loader,
+name="train")``; or no code at all: ``dataloader-exporter run -- COMMAND`` (zero-code
+mode, zerocode.py). Metrics go to snapshot files (metrics_dir= or $DATALOADER_EXPORTER_DIR) for the
+sidecar exporter, and/or are served in-process (port= or dataloader_exporter.serve()).
 """
 
 from .hub import SnapshotWriter, default_registry, hub_for

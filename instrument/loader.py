@@ -111,7 +111,7 @@ class WrappedLoader:
         return TimedIterator(it, dle, start, dle.track(it, None), loader_len)
 
     def __repr__(self) -> str:
-        return f"<instrument.wrap of {self.loader!r}>"
+        return f"<dataloader_exporter.wrap of {self.loader!r}>"
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -141,7 +141,7 @@ class WrappedLoader:
             if _loader_like(result):
                 envsettings.once.problem(
                     f"chain:{self._dle.name}:{name}", "dataloader %r: %s.%s() returned a %s, "
-                    "which is not measured: pass it to instrument.wrap() to measure it",
+                    "which is not measured: pass it to dataloader_exporter.wrap() to measure it",
                     log_name(self._dle.name), type(self.loader).__name__, name,
                     type(result).__name__)
             return result

@@ -34,7 +34,7 @@ STACK_DEPTH = 64  # frames searched, once per loader built
 # Packages whose loaders are copies of the user's when built over an adopted loader's dataset.
 FRAMEWORKS = ("accelerate", "lightning", "lightning_fabric", "pytorch_lightning",
               "transformers")
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what a loader name may hold (loadersettings)
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what a loader name may hold (core.settings)
 
 
 def _frames(depth: int) -> list[FrameType]:

@@ -52,6 +52,13 @@ class ProcSample:
         return max(0, self.wall_ns - self.running_ns - self.waiting_ns)
 
 
+def _stat_fields(base: str) -> list[bytes] | None:
+    """The fields of <base>/stat after the command name (which may hold spaces and
+    parentheses), from the state (field 3) on; None when it cannot be read."""
+    stat = _read(f"{base}/stat")
+    return None if stat is None else stat.rsplit(b")", 1)[-1].split()
+
+
 def _read(path: str) -> bytes | None:
     try:
         with open(path, "rb") as f:
@@ -102,12 +109,8 @@ class Liveness:
         self._psutil: dict[int, Any] | None = None if os.path.isdir(f"{proc}/self") else {}
 
     def _state(self, pid: int) -> tuple[bytes, bytes] | None:
-        stat = _read(f"{self._proc}/{pid}/stat")
-        try:
-            f = stat.rsplit(b")", 1)[1].split() if stat else []
-            return f[0], f[19]
-        except IndexError:
-            return None
+        f = _stat_fields(f"{self._proc}/{pid}")
+        return (f[0], f[19]) if f is not None and len(f) > 19 else None
 
     def alive(self, pid: int) -> bool:
         if self._psutil is not None:
@@ -136,11 +139,10 @@ class Liveness:
 def sample(pid: int, proc: str = PROC) -> ProcSample | None:
     """The figures of a live process; None when it is gone or /proc cannot be read."""
     base = f"{proc}/{pid}"
-    stat = _read(f"{base}/stat")
-    if stat is None:
+    f = _stat_fields(base)
+    if f is None:
         return None
     try:
-        f = stat.rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
         if f[0] in (b"Z", b"X"):
             return None  # a zombie: it has ended
         majflt, utime, stime = int(f[9]), int(f[11]), int(f[12])

@@ -44,7 +44,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from time import perf_counter_ns
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeGuard, TypeVar
 
 import torch.utils.data
 
@@ -449,7 +449,7 @@ def unmeasured() -> list[tuple[str, type]]:
     out: list[tuple[str, type]] = []
     for dle in _loaders.values():
         cls = dle.loader_class
-        if not dle.explicit and not dle.iterated and cls is not None and unmeasurable(cls):
+        if not dle.explicit and not dle.iterated and unmeasurable(cls):
             out.append((dle.name, cls))
     return out
 
@@ -476,7 +476,7 @@ def _exit_report() -> None:
         atexit.register(_at_exit)
 
 
-def unmeasurable(cls: type | None) -> bool:
+def unmeasurable(cls: type | None) -> TypeGuard[type]:
     """Whether iterating a DataLoader of this class runs no hook of ours: an __iter__ that
     is a generator function (hooks leave those alone, as they usually call torch's later,
     see _hook_class) in a class of its own."""
@@ -488,7 +488,7 @@ def unmeasurable(cls: type | None) -> bool:
 def _classes_of(name: str) -> list[type]:
     pending = list(_unused) + _loaders.values()
     classes = [d.loader_class for d in pending if d.name == name]
-    return [cls for cls in classes if cls is not None and unmeasurable(cls)]
+    return [cls for cls in classes if unmeasurable(cls)]
 
 
 def _at_exit() -> None:
@@ -499,9 +499,10 @@ def _at_exit() -> None:
                 envsettings.once.problem(
                     "unused:" + name, "dataloader %r: no batch of it was measured. %s.__iter__"
                     " is a generator that does not go through torch's DataLoader.__iter__, "
-                    "which neither instrument.wrap() of the loader nor zero-code mode can "
-                    "time; to measure it, time the loop's own iterator with "
-                    "instrument.wrap(iter(loader), name=...) each epoch", log_name(name),
+                    "which neither dataloader_exporter.wrap() of the loader nor zero-code "
+                    "mode can time; to measure it, time the loop's own iterator with "
+                    "dataloader_exporter.wrap(iter(loader), name=...) each epoch",
+                    log_name(name),
                     odd[0].__qualname__)
             elif _auto:  # zero-code mode sees every torch loader iterate: nothing did
                 envsettings.once.problem("unused:" + name, "dataloader %r was built but "
@@ -518,7 +519,7 @@ def _at_exit() -> None:
                 "unused:" + name, "dataloader %r: no batch of it was measured. %s.__iter__ is "
                 "a generator that does not go through torch's DataLoader.__iter__, which "
                 "zero-code mode cannot time; to measure it, time the loop's own iterator with "
-                "instrument.wrap(iter(loader), name=...) each epoch", log_name(name),
+                "dataloader_exporter.wrap(iter(loader), name=...) each epoch", log_name(name),
                 cls.__qualname__)
         for name in sorted(envsettings.unmatched()):
             envsettings.once.problem(

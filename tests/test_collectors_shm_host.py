@@ -208,3 +208,22 @@ def test_the_real_proc_reports_a_positive_memtotal() -> None:
 def test_host_exposition_passes_promtool_check_metrics(tmp_path: Path, promtool: str) -> None:
     assert_promtool_accepts(promtool, registered(fake_host(
         tmp_path, {"memory.max": "4294967296\n", "memory.current": "1073741824\n"})))
+
+
+def test_the_cores_and_memory_facts_read_what_psutil_reads_on_this_machine(tmp_path: Path
+                                                                         ) -> None:
+    """The core reads /sys and /proc itself (it imports the standard library only): the
+    figures psutil gives here, and a /proc/meminfo without MemAvailable (kernels < 3.14)."""
+    import psutil
+
+    from dataloader_exporter.core.facts.cores import physical_cores
+    from dataloader_exporter.core.facts.memory import host_memory
+
+    assert physical_cores() == (psutil.cpu_count(logical=False) or os.cpu_count())
+    total, available = host_memory()
+    assert total == psutil.virtual_memory().total
+    assert 0 < available <= total
+    old = tmp_path / "meminfo"
+    old.write_text("MemTotal:  1000 kB\nMemFree:  100 kB\nBuffers:  20 kB\nCached:  30 kB\n")
+    assert host_memory(str(old)) == (1024000, 150 * 1024)
+    assert physical_cores(str(tmp_path)) == os.cpu_count()  # no topology: logical CPUs

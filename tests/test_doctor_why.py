@@ -11,7 +11,6 @@ import pytest
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core.settings import for_loader, parse
-from dataloader_exporter.dashboards import promql
 from dataloader_exporter.diagnosis import why
 from dataloader_exporter.diagnosis.doctor import Diagnosis
 from dataloader_exporter.diagnosis.machine import Machine
@@ -340,5 +339,3 @@ def test_the_env_line_carries_fewer_workers_for_cpu_contention() -> None:
     assert for_loader(settings, "train")["num_workers"] == 2
 
 
-def test_the_doctor_and_the_alert_judge_cpu_starvation_alike() -> None:
-    assert promql.CPU_CONTENTION == why.CPU_CONTENTION

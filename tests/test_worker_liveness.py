@@ -249,3 +249,40 @@ def test_snapshots_show_the_workers_of_short_epochs_and_none_after_the_last(
     assert inside == [2.0] * len(inside), (inside, readings, windows)
     writer.close()  # the last snapshot, as at exit
     assert _workers_active_in(writer.path) == 0
+
+
+def test_liveness_tells_a_reused_pid_and_a_zombie_from_the_worker_first_seen(tmp_path: Path
+                                                                           ) -> None:
+    """/proc/<pid>/stat as the kernel writes it (a command name with spaces and ')'),
+    read as psutil's is_running() and status() would: the same start time, not a zombie."""
+    from dataloader_exporter.instrument.procstat import Liveness
+
+    def stat(state: str, start: int) -> None:
+        (tmp_path / "7").mkdir(exist_ok=True)
+        fields = [state, *["0"] * 18, str(start), "0", "0"]
+        (tmp_path / "7" / "stat").write_text(f"7 (pt worker) 1) {' '.join(fields)}\n")
+
+    (tmp_path / "self").mkdir()  # a /proc: psutil is not asked
+    live = Liveness(str(tmp_path))
+    stat("S", 1000)
+    assert live.alive(7) and live.alive(7)
+    stat("Z", 1000)
+    assert not live.alive(7)
+    stat("R", 2000)  # the pid was reused by another process
+    assert not live.alive(7)
+    live.forget(7)
+    assert live.alive(7)  # a new worker with that pid is seen afresh
+    (tmp_path / "7" / "stat").unlink()
+    assert not live.alive(7) and not live.alive(8)
+    # And the real thing: this process is alive, a child that exited is not.
+    real = Liveness()
+    assert real.alive(os.getpid())
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    deadline = time.monotonic() + 10
+    while real.alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not real.alive(pid)  # a zombie until reaped, and not alive
+    os.waitpid(pid, 0)
+    assert not real.alive(pid)

@@ -386,7 +386,7 @@ class TrainerCollector:
         with a lost worker or a failure. A file that cannot be read or is not valid did
         not: it goes as before."""
         try:
-            data, _ = snapshot.read(path, self.max_file_bytes)
+            data, _ = self.read(path, self.max_file_bytes)
             snap = snapshot.load(data, self.max_series)
         except (OSError, Rejected):
             return False
