@@ -145,6 +145,18 @@ TRANSFER_BYTES = _m(
     "dataloader_transfer_bytes_total", COUNTER,
     "Tensor bytes moved host to device by to_device.",
     "bytes", LOADER_LABELS, TRAINER)
+# The loader tuner (opt-in, core/tuner.py): present only for a loader being tuned.
+TUNER_CHANGES = _m(
+    "dataloader_tuner_changes_total", COUNTER,
+    "Changes the loader tuner made to a setting (num_workers, prefetch_factor), by reason "
+    "(starved, cpu-contention, cores, memory, bursty, reverted); a series appears with "
+    "its first change.",
+    "", (*LOADER_LABELS, "setting", "reason"), TRAINER)
+TUNER_STABLE = _m(
+    "dataloader_tuner_stable", GAUGE,
+    "Whether the loader tuner has settled on its settings: 1 once stable, 0 while it "
+    "still tries changes; absent for a loader that is not tuned.",
+    "", LOADER_LABELS, TRAINER)
 INFO = _m(
     "dataloader_info", GAUGE,
     "The loader's effective configuration, the UUID of the GPU its batches go to (empty "

@@ -2,6 +2,9 @@
 
     DATALOADER_EXPORTER_SETTINGS="train.num_workers=8,train.prefetch_factor=4,*.persistent_workers=true"
 
+``auto`` (num_workers and prefetch_factor only) hands the setting to the loader tuner
+(core/tuner.py): it starts from the loader's own value and changes it between epochs.
+
 Each item is ``LOADER.SETTING=VALUE``: a loader name (the ``loader`` label) or ``*`` for
 every loader, one of SETTINGS, and its value. A named item wins over a ``*`` item for the
 same setting. The instrumentation applies them when a loader is built; the doctor prints
@@ -21,8 +24,9 @@ from dataloader_exporter.core.env import ENV_SETTINGS
 from dataloader_exporter.core.problems import Problems
 
 ANY = "*"
+AUTO = "auto"  # the loader tuner sets it (core/tuner.py)
 
-Value = int | bool
+Value = int | bool | str  # str: only AUTO
 
 # setting -> (kind, smallest value for integers)
 SETTINGS: dict[str, tuple[type, int]] = {
@@ -35,6 +39,7 @@ SETTINGS: dict[str, tuple[type, int]] = {
 # worker processes is more than the hardware threads of any one host today (two 192-core
 # sockets give 768), and 1024 batches queued per worker is 512 times torch's default of 2.
 MAXIMA: dict[str, int] = {"num_workers": 1024, "prefetch_factor": 1024}
+TUNABLE = ("num_workers", "prefetch_factor")  # the settings that take AUTO
 NEEDS_WORKERS = ("prefetch_factor", "persistent_workers")  # torch refuses them without workers
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]+$")  # what a loader label may be (names have no '=' or ',')
 _WHOLE = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() also reads '\u0663' and '\uff18'
@@ -72,15 +77,17 @@ def parse_bool(text: str) -> bool | None:
     return None
 
 
-def _value(kind: type, least: int, most: int | None, raw: str) -> Value:
+def _value(kind: type, least: int, most: int | None, raw: str, auto: bool = False) -> Value:
     text = raw.strip().lower()
+    if auto and text == AUTO:
+        return AUTO
     if kind is bool:
         switch = parse_bool(text)
         if switch is None:
             raise ValueError("expected true or false")
         return switch
     if not _WHOLE.fullmatch(text):
-        raise ValueError("expected a whole number (digits 0-9)")
+        raise ValueError("expected a whole number (digits 0-9)" + (" or auto" if auto else ""))
     if len(text.lstrip("+-").lstrip("0")) > 9:  # int() of 100 kB of digits: slow, refused
         number = -(10**9) if text.startswith("-") else 10**9
     else:
@@ -114,7 +121,8 @@ def parse(line: str) -> tuple[Setting, ...]:
             continue
         kind, least = SETTINGS[name]
         try:
-            settings.append(Setting(loader, name, _value(kind, least, MAXIMA.get(name), raw)))
+            settings.append(Setting(loader, name, _value(kind, least, MAXIMA.get(name), raw,
+                                                          name in TUNABLE)))
         except ValueError as e:
             problems.append(f"{shown}: {name} {e}")
     seen: dict[tuple[str, str], Value] = {}
@@ -125,7 +133,7 @@ def parse(line: str) -> tuple[Setting, ...]:
     for loader in {s.loader for s in settings}:
         own = {s.name: s.value for s in settings if s.loader == loader}
         if own.get("num_workers") == 0:
-            clash = [n for n in NEEDS_WORKERS if own.get(n) not in (None, False)]
+            clash = [n for n in NEEDS_WORKERS if own.get(n) not in (None, False, AUTO)]
             if clash:
                 problems.append(f"{log_name(loader)}: {' and '.join(clash)} need workers, but "
                                 "num_workers=0")
@@ -145,6 +153,12 @@ def for_loader(settings: Iterable[Setting], loader: str) -> dict[str, Value]:
             own[s.name] = s.value
     out.update(own)
     return out
+
+
+def tuned(settings: Iterable[Setting], loader: str) -> tuple[str, ...]:
+    """The settings of one loader name that the tuner sets (AUTO), in TUNABLE order."""
+    wanted = for_loader(settings, loader)
+    return tuple(name for name in TUNABLE if wanted.get(name) == AUTO)
 
 
 def named_loaders(settings: Iterable[Setting]) -> set[str]:

@@ -31,6 +31,12 @@ BURSTY = 4.0  # fetch wait p95 over its median at which the wait comes in bursts
 BUSY = 0.5  # workers running at least this share of their time are the bottleneck
 
 
+# Why a setting changed: the loop waited on busy workers; they waited for a CPU; more
+# workers than this rank's cores; memory would not hold them; the wait came in bursts;
+# a trial did not help.
+REASONS = ("starved", "cpu-contention", "cores", "memory", "bursty", "reverted")
+
+
 @dataclass(frozen=True)
 class Setting:
     workers: int
@@ -70,7 +76,7 @@ class Decision:
     name: str  # "num_workers" or "prefetch_factor"
     old: int
     new: int
-    reason: str  # "starved", "cpu-contention", "memory", "shm", "bursty", "reverted"
+    reason: str  # one of REASONS
     why: str  # the figures, for the log line
 
     def line(self, loader: str) -> str:
@@ -193,7 +199,7 @@ class Tuner:
                                 f"time ({n} workers, {self.budget.cores} cores)")
         if n > self.budget.cores:
             return Decision(replace(epoch.setting, workers=self.budget.cores), "num_workers",
-                            n, self.budget.cores, "cpu-contention",
+                            n, self.budget.cores, "cores",
                             f"{n} workers for {self.budget.cores} cores")
         if (epoch.worker_bytes is not None and self.budget.memory_room is not None
                 and self.budget.memory_room < 0):

@@ -1,13 +1,14 @@
-"""Every read of a private torch attribute lives here: read-only, via getattr(..., None).
+"""Every use of a private torch attribute lives here, via getattr(..., None).
 
-Checked against torch 2.13.0 (and the 2.x layout since 1.7): a multi-process
-DataLoader iterator keeps its worker processes in ``_workers``, a list of
-multiprocessing.Process objects, and a DataLoader with persistent workers keeps its
-iterator in ``_iterator``; the worker Process objects give their exitcode once
-torch has reaped them (worker_exitcode). Worker pids let liveness be watched from the first batch on
-(instrumented workers also report their pid after their first batch; wrapped loaders
-have no other source). If an attribute goes away, wrapped loaders report no worker
-liveness, and the instrumented loader learns pids one batch later.
+Read-only, but for the tuner's rebuild of a persistent pool (shut_down). Checked against
+torch 2.13.0 (and the 2.x layout since 1.7): a multi-process DataLoader iterator keeps
+its worker processes in ``_workers``, a list of multiprocessing.Process objects, and a
+DataLoader with persistent workers keeps its iterator in ``_iterator``; the worker Process
+objects give their exitcode once torch has reaped them (worker_exitcode). Worker pids let
+liveness be watched from the first batch on (instrumented workers also report their pid
+after their first batch; wrapped loaders have no other source). If an attribute goes away,
+wrapped loaders report no worker liveness, and the instrumented loader learns pids one
+batch later.
 """
 
 from __future__ import annotations
@@ -46,3 +47,23 @@ def persistent_iterator(loader: Any) -> Any:
     missing, the loader sees the reused iterator by identity after iter() instead.
     """
     return getattr(loader, "_iterator", None)
+
+
+def base_seed(iterator: Any) -> int:
+    """The seed a new pool's base seed is drawn from after the tuner rebuilds one: the old
+    iterator's ``_base_seed`` (torch 2.13, since 1.x) plus one, else a fixed 0."""
+    seed = getattr(iterator, "_base_seed", None)
+    return (seed + 1) % (1 << 63) if isinstance(seed, int) else 0
+
+
+def shut_down(loader: Any, iterator: Any) -> None:
+    """Ends a persistent-workers loader's pool so that its next iter() builds a new one
+    with the loader's current settings (the tuner's change, tuning.py): the one write to
+    a private torch attribute. torch 2.13 reuses ``loader._iterator`` while it is set and
+    ends its workers with ``_shutdown_workers()`` (its own __del__ calls the same).
+    Without them, the old pool is left to torch and the change waits: the next iter()
+    reuses it, as torch would."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if callable(shutdown) and getattr(loader, "_iterator", None) is iterator:
+        shutdown()
+        loader._iterator = None

@@ -21,6 +21,7 @@ import torch.utils.data
 
 from dataloader_exporter.core.logonce import LogOnce
 from dataloader_exporter.core.settings import (
+    AUTO,
     ENV_SETTINGS,
     NEEDS_WORKERS,
     SETTINGS,
@@ -29,6 +30,7 @@ from dataloader_exporter.core.settings import (
     log_name,
     named_loaders,
     parse,
+    tuned,
 )
 
 log = logging.getLogger("dataloader_exporter.instrument")
@@ -60,6 +62,11 @@ def built() -> list[str]:
     return sorted(_built)
 
 
+def auto_for(name: str) -> tuple[str, ...]:
+    """The settings $DATALOADER_EXPORTER_SETTINGS gives the tuner for this loader name."""
+    return tuned(from_env(), name)
+
+
 def unmatched() -> set[str]:
     """Loader names the settings line gives that no loader built here had (only in a
     process that built loaders: a launcher builds none)."""
@@ -86,12 +93,14 @@ def apply(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     a loader that has none, with a warning, rather than failing a loader built mid-run;
     num_workers=0 drops the loader's own prefetch_factor and persistent_workers, which
     torch refuses without workers. only: apply just these settings (the rest were).
+    A setting given as ``auto`` is the tuner's (tuning.py): the loader keeps its own
+    value here.
     """
     settings = from_env()
     if not settings:
         return args, kwargs, ()
     _built.add(name)
-    wanted = for_loader(settings, name)
+    wanted = {k: v for k, v in for_loader(settings, name).items() if v != AUTO}
     if only is not None:
         wanted = {k: v for k, v in wanted.items() if k in only}
     sig = _signature(function)

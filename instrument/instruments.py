@@ -14,9 +14,9 @@ import torch
 from dataloader_exporter.core.env import ENV_DIR
 from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
 from dataloader_exporter.core.logonce import LogOnce
-from dataloader_exporter.core.settings import log_name
+from dataloader_exporter.core.settings import SettingsError, log_name
 
-from . import compat, failures
+from . import compat, envsettings, failures
 from .batch import batch_nbytes, move
 from .env import current_rank, local_world_size
 from .gpu import gpu_uuid
@@ -24,6 +24,7 @@ from .hub import Hub, hub_for
 from .preflight import LoaderConfig, Preflight
 from .recorder import LoaderRecorder
 from .tracker import from_exitcode
+from .tuning import LoaderTuning
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
@@ -39,8 +40,11 @@ class Instruments:
     """
 
     def __init__(self, name: str, registry: Any, metrics_dir: str | None,
-                 port: int | None, explicit: bool = True) -> None:
+                 port: int | None, explicit: bool = True, tune: tuple[str, ...] = ()) -> None:
         self.name = name
+        self.tune = tune  # settings the tuner sets, given in code (instrument.DataLoader)
+        self.tuning: LoaderTuning | None = None
+        self._tune_checked = False
         self.registry = registry
         self.metrics_dir = metrics_dir
         self.port = port
@@ -87,6 +91,35 @@ class Instruments:
         text = failures.fix(cause, seen, self.config, max(rec.batch_bytes, 0),
                             local_world_size(), shm_space(SHM_PATH), rss)
         self._failures.problem(cause, "dataloader %r%s: %s", log_name(self.name), who, text)
+
+    def at_iter(self, loader: Any) -> int | None:
+        """Before torch's iter(): the tuner's change, if the loader is tuned (tuning.py).
+        Returns the base seed for a persistent pool it rebuilt, else None."""
+        if self.tuning is None:
+            if self._tune_checked:
+                return None
+            self._tune_checked = True
+            try:
+                knobs = tuple(dict.fromkeys(self.tune + envsettings.auto_for(self.name)))
+            except SettingsError:  # said where the loader was built
+                knobs = self.tune
+            if not knobs:
+                return None
+            if not isinstance(loader, torch.utils.data.DataLoader):
+                once = envsettings.once
+                once.problem(f"tune-kind:{self.name}", "dataloader %r: %s is not tuned: "
+                             "the tuner sets a torch DataLoader's settings only",
+                             log_name(self.name), type(loader).__qualname__)
+                return None
+            self.tuning = LoaderTuning(self.name, knobs, loader, self.rec)
+        return self.tuning.at_iter(loader, self.forget_workers)
+
+    def forget_workers(self) -> None:
+        """The tracked pool was shut down on purpose (the tuner rebuilds it)."""
+        if self._last_gen:
+            self.rec.workers.stop(self._last_gen)
+            self._last_gen = 0
+        self._last_it = None
 
     def start_epoch(self, loader: Any) -> None:
         """At iter(): the loader's settings. The epoch itself starts at its first batch (a
@@ -148,6 +181,8 @@ class Instruments:
 
     def end(self, gen: int) -> None:
         """The iterator is exhausted (StopIteration)."""
+        if self.tuning is not None:
+            self.rec.flush()  # the workers' last figures, before they stop
         if gen and not self.config.persistent_workers:
             self.rec.workers.stop(gen)  # torch has shut these workers down on purpose
         self.hub.flush_now()

@@ -27,6 +27,7 @@ from .batch import loader_len, move
 from .instruments import Instruments
 from .originals import TORCH_ITER
 from .timed import TimedIterator, instrumented_iter
+from .tuning import knobs_of
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -37,22 +38,28 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     name: the `loader` label (loaders sharing a name share series);
     metrics_dir: write snapshot files there for the sidecar (default $DATALOADER_EXPORTER_DIR);
     port: also serve /metrics in-process on this port;
-    registry: a prometheus_client CollectorRegistry to use instead of the process default.
+    registry: a prometheus_client CollectorRegistry to use instead of the process default;
+    tune: True, or the settings among ("num_workers", "prefetch_factor") the loader tuner
+    sets between epochs, starting from the values given here (as ``auto`` in
+    $DATALOADER_EXPORTER_SETTINGS does). Default: none.
     """
 
     _dataloader_exporter_times_itself = True  # originals.SELF_TIMED: hooks leave it be
 
     def __init__(self, dataset: torch.utils.data.Dataset[T_co], *args: Any,
                  name: str = "default", metrics_dir: str | None = None,
-                 port: int | None = None, registry: Any = None, **kwargs: Any) -> None:
+                 port: int | None = None, registry: Any = None,
+                 tune: bool | tuple[str, ...] = False, **kwargs: Any) -> None:
+        knobs = knobs_of(tune)  # a bad value fails here, as torch's own arguments do
         # $DATALOADER_EXPORTER_SETTINGS first: a bad line fails here, before any work.
         args, kwargs = zerocode.apply_settings(name, (dataset, *args), kwargs)
         super().__init__(*args, **kwargs)
         self.name = name
         self.metrics_dir = metrics_dir
         self.port = port
+        self.tune = knobs
         self.registry = registry  # an attribute, so frameworks that rebuild loaders keep it
-        self._dle = Instruments(name, registry, metrics_dir, port)
+        self._dle = Instruments(name, registry, metrics_dir, port, tune=knobs)
         zerocode.adopt(self, self._dle)  # a framework's copy over the same dataset inherits
 
     def __iter__(self) -> Any:
@@ -73,8 +80,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("registry", None)
+        self.__dict__.setdefault("tune", ())
         self.__dict__["_dle"] = Instruments(self.name, self.registry, self.metrics_dir,
-                                             self.port)
+                                             self.port, tune=self.tune)
         zerocode.adopt(self, self.__dict__["_dle"])
 
     def __copy__(self) -> DataLoader[T_co]:

@@ -9,6 +9,7 @@ cost 0.7-1.6 us per observe on the hot path instead (../shared/FACTS.md).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -90,6 +91,11 @@ class LoaderRecorder:
         self.gpu_uuid = ""  # the GPU batches go to (dataloader_info), "" until known
         self.exited_at: float | None = None  # Unix time of a normal exit (hub.py)
         self.workers = WorkerTracker()
+        # The loader tuner (tuning.py): changes by (setting, reason); whether it is stable
+        # (None: not tuned); its check after each flush.
+        self.tuner_changes: dict[tuple[str, str], int] = {}
+        self.tuner_stable: bool | None = None
+        self.on_flush: Callable[[], None] | None = None
         # Reader side.
         self.lock = threading.Lock()
         self.fetch_h = Histo(cat.TIME.buckets)
@@ -107,6 +113,9 @@ class LoaderRecorder:
         if self.samples_known and self.workers.miscounted():
             self.samples_known = False
         self.workers.refresh(time.monotonic() if now is None else now, batches=self.batches)
+        if self.on_flush is not None:
+            with contextlib.suppress(Exception):  # advice must never break a scrape
+                self.on_flush()
 
     def miscount(self) -> None:
         """A batch's count was found wrong (a custom collate_fn, workers.py)."""
@@ -196,6 +205,14 @@ def _families(recs: list[LoaderRecorder]) -> Iterator[Family]:
     yield samples
     yield beat
     yield from _proc_families(recs)
+    changes, stable = family(cat.TUNER_CHANGES), family(cat.TUNER_STABLE)
+    for r in recs:
+        if r.tuner_stable is not None:
+            stable.add_metric([r.name, r.rank], float(r.tuner_stable))
+        for (setting, reason), n in sorted(r.tuner_changes.items()):
+            changes.add_metric([r.name, r.rank, setting, reason], n)
+    yield changes
+    yield stable
     info = family(cat.INFO)
     for r in recs:
         if r.config:

@@ -20,6 +20,7 @@ from . import compat
 from .batch import batch_len, batch_nbytes, collated_len, item_len, loader_len
 from .instruments import Instruments, reraise_torch_worker_error
 from .originals import TORCH_ITER, lazy
+from .tuning import fresh_seed
 from .workers import TimedCollate, new_block
 
 Counter = Callable[[Any], "int | None"]
@@ -77,6 +78,10 @@ def instrumented_iter(loader: Any, dle: Instruments, torch_iter: Callable[[Any],
     returned as it is, and measured where torch's runs (zerocode.py).
     """
     start = perf_counter_ns()
+    seed = None if quiet else dle.at_iter(loader)
+    torch_iter_as_is = torch_iter
+    if seed is not None:  # the tuner shut the persistent pool down: a new one, same order
+        torch_iter = fresh_seed(torch_iter, seed)
     try:
         plan = _Plan(loader, dle, quiet)
     except Exception:
@@ -84,8 +89,8 @@ def instrumented_iter(loader: Any, dle: Instruments, torch_iter: Callable[[Any],
                     log_name(dle.name), type(loader).__qualname__, exc_info=True)
         return torch_iter(loader)
     it = _with_collate(loader, plan.collate, torch_iter) if plan.collate else torch_iter(loader)
-    if torch_iter is not TORCH_ITER and inspect.isgenerator(it):
-        lazy(torch_iter)
+    if torch_iter_as_is is not TORCH_ITER and inspect.isgenerator(it):
+        lazy(torch_iter_as_is)
         return it
     if plan.started is not None and plan.started[0]() is it:  # workers prestart() hooked
         dle.started = None

@@ -1,0 +1,332 @@
+"""The loader tuner at work (issue 22): core/tuner.py decides, this measures and applies.
+
+A loader is tuned only when asked: ``auto`` in $DATALOADER_EXPORTER_SETTINGS
+(``train.num_workers=auto``) or ``tune=`` on instrument.DataLoader. At each iter() the
+epoch that ran since the previous iter() is judged from what the loader measured:
+
+- samples (or batches) per second and the input stall, over the wall time from iter() to
+  the last batch handed out, so a worker pool's start (and its rebuild) counts;
+- the workers' running / waiting-for-a-CPU / blocked shares (procstat.py) over the epoch;
+- the memory one worker takes (PSS, else its largest RSS; with no worker yet, the main
+  process's RSS, which a forked worker can at most take), and a batch's bytes;
+- the fetch waits' burstiness (95th percentile over the median, from the histogram);
+
+against this rank's budget, read each time: its cores (advisor.worker_cores, the share of
+the cores its affinity and cgroup allow per local rank), the memory room left (cgroup or
+host, keeping bands.MEMORY_RESERVE free) and /dev/shm free.
+
+A change is applied only between iterators, before torch's __iter__ runs: the public
+``num_workers`` and ``prefetch_factor`` attributes. A persistent pool is shut down and
+built anew at that iter() (its start counts in that epoch's figures); the new iterator's
+base seed is drawn from a generator of its own, so the loader's generator (and the
+shuffling order it drives) advances exactly as without the rebuild. Map-style batches
+come in the same order whatever the worker count. An IterableDataset's worker count
+decides how it is split: the tuner never changes it there.
+
+An epoch still running after LONG_EPOCH (one-epoch pre-training) is judged as advice only:
+a change needs a new iterator, and no torch loader resumes mid-epoch under another worker
+count (torchdata's StatefulDataLoader refuses a state saved with a different num_workers).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from time import perf_counter_ns
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from dataloader_exporter.core import advisor, bands
+from dataloader_exporter.core.facts.cgroup import (
+    CGROUP,
+    PROC,
+    limits,
+    memory_files,
+    memory_room,
+    read_value,
+)
+from dataloader_exporter.core.facts.memory import host_memory
+from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
+from dataloader_exporter.core.settings import ENV_SETTINGS, SettingsError, log_name, parse
+from dataloader_exporter.core.tuner import Budget, Decision, Epoch, Setting, Tuner
+
+from . import compat
+from .env import local_world_size
+from .envsettings import once
+from .recorder import LoaderRecorder
+
+log = logging.getLogger("dataloader_exporter.instrument")
+
+MIN_BATCHES = 8  # an epoch with fewer batches says too little to judge
+LONG_EPOCH = 600.0  # seconds: an epoch running longer is judged, as advice only
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def knobs_of(tune: bool | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """instrument.DataLoader's ``tune=``: True for both settings, or their names."""
+    if tune is True:
+        return ("num_workers", "prefetch_factor")
+    if tune is False:
+        return ()
+    names = tuple(tune)
+    unknown = [n for n in names if n not in ("num_workers", "prefetch_factor")]
+    if unknown or isinstance(tune, str):
+        raise ValueError(f"tune: expected True, False or names among num_workers and "
+                         f"prefetch_factor, got {tune!r}")
+    return names
+
+
+def memory_budget() -> int | None:
+    """Memory more workers may take: the room this process's container (or the host) has
+    left, less bands.MEMORY_RESERVE of its limit (or of the host's memory)."""
+    try:
+        total, available = host_memory()
+        room = memory_room(total, available)
+        whole = total
+        files = memory_files(Path(PROC), Path(CGROUP))
+        if files is not None:
+            limit = read_value(files[0])
+            if limit is not None and limits(limit, total):
+                whole = limit
+        return room - int(bands.MEMORY_RESERVE * whole)
+    except Exception:  # a figure that cannot be read is unknown: it blocks growth
+        return None
+
+
+def budget() -> Budget:
+    """What this rank may use now."""
+    cores = advisor.worker_cores(advisor.local_cpu(), local_world_size(),
+                                 torch.cuda.is_initialized())
+    shm = shm_space(SHM_PATH)
+    return Budget(cores, memory_budget(), shm.free if shm is not None else None)
+
+
+def _own_rss() -> int | None:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def burstiness(counts: np.ndarray, bounds: tuple[float, ...]) -> float | None:
+    """The 95th percentile of the waits over their median, from histogram bucket counts
+    (upper bounds); None when either falls past the last bound or no wait was seen."""
+    total = int(counts.sum())
+    if total <= 0:
+        return None
+    cum = np.cumsum(counts)
+    p50 = int(np.searchsorted(cum, 0.5 * total))
+    p95 = int(np.searchsorted(cum, 0.95 * total))
+    if p95 >= len(bounds):
+        return None
+    return bounds[p95] / bounds[p50]
+
+
+def _text(s: Setting) -> str:
+    return f"num_workers={s.workers}, prefetch_factor={s.prefetch}"
+
+
+def _setting(loader: Any) -> Setting:
+    return Setting(int(loader.num_workers or 0), int(loader.prefetch_factor or 2))
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """A loader's counters at an epoch's iter()."""
+
+    setting: Setting
+    t_ns: int
+    batches: int
+    samples: int
+    step_s: float
+    fetch_counts: np.ndarray
+    proc: tuple[int | None, int | None, int | None]
+
+
+class LoaderTuning:
+    """One loader object's tuner, fed at each iter() (Instruments.at_iter)."""
+
+    def __init__(self, name: str, knobs: tuple[str, ...], loader: Any,
+                 rec: LoaderRecorder) -> None:
+        self.name = name
+        self.rec = rec
+        iterable = isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
+        workers = "num_workers" in knobs and not iterable
+        if "num_workers" in knobs and iterable:
+            once.problem(f"tune-iterable:{name}", "dataloader %r: num_workers=auto is not "
+                         "applied: its dataset is an IterableDataset, whose worker count "
+                         "decides how it is split; only prefetch_factor is tuned",
+                         log_name(name))
+        self.tuner = Tuner(_setting(loader), workers=workers,
+                           prefetch="prefetch_factor" in knobs)
+        self._lock = threading.Lock()
+        self._mark: _Mark | None = None
+        self._said_stable = False
+        self._advised = False
+        rec.tuner_stable = False
+        rec.on_flush = self.tick
+        tuned = [k for k in knobs if k != "num_workers" or workers]
+        if tuned:
+            log.info("dataloader %r: the tuner sets %s between epochs, from %s",
+                     log_name(name), " and ".join(tuned), _text(self.tuner.start))
+
+    def at_iter(self, loader: Any, forget_workers: Callable[[], None]) -> int | None:
+        """Judges the epoch since the last iter() and applies a change to `loader` before
+        torch's iter() runs. Returns the base seed for a persistent pool rebuilt here (see
+        fresh_seed), else None. Never raises: the tuner must never stop training."""
+        try:
+            with self._lock:
+                seed = None
+                mark, self._mark = self._mark, None
+                if mark is not None and not self.tuner.stable:
+                    epoch = self._epoch(mark)
+                    if epoch is not None:
+                        decision = self.tuner.observe(epoch, budget())
+                        if decision is not None:
+                            seed = self._apply(loader, decision, forget_workers)
+                self._say_stable()
+                if not self.tuner.stable:
+                    self._mark = self._take_mark(loader)
+                return seed
+        except Exception:
+            log.warning("dataloader %r: the tuner failed and stops; the loader keeps its "
+                        "settings", log_name(self.name), exc_info=True)
+            self.tuner.stable = True
+            self.rec.tuner_stable = True
+            return None
+
+    def _take_mark(self, loader: Any) -> _Mark:
+        rec = self.rec
+        rec.flush()
+        with rec.lock:
+            step_s, counts = rec.step_h.sum, rec.fetch_h.counts.copy()
+        return _Mark(_setting(loader), perf_counter_ns(), rec.batches, rec.samples, step_s,
+                     counts, self._proc())
+
+    def _proc(self) -> tuple[int | None, int | None, int | None]:
+        fig = self.rec.workers.proc_figures()
+        if fig is None:
+            return None, None, None
+        return fig.running_ns, fig.waiting_ns, fig.blocked_ns
+
+    def _epoch(self, mark: _Mark, flush: bool = True, end_ns: int | None = None
+               ) -> Epoch | None:
+        """What the epoch since `mark` measured; None when too short to judge."""
+        rec = self.rec
+        if flush:
+            rec.flush()
+        end = rec.last_batch_ns if end_ns is None else end_ns
+        batches = rec.batches - mark.batches
+        if batches < MIN_BATCHES or end <= mark.t_ns:
+            return None
+        wall = (end - mark.t_ns) / 1e9
+        with rec.lock:
+            step_s = rec.step_h.sum - mark.step_s
+            counts = rec.fetch_h.counts - mark.fetch_counts
+            bounds = rec.fetch_h.bounds
+        done = rec.samples - mark.samples if rec.samples_known else batches
+        now = self._proc()
+        shares: list[float | None] = [None, None, None]
+        if None not in now and None not in mark.proc:
+            spent = [int(a) - int(b) for a, b in zip(now, mark.proc, strict=True)]  # type: ignore[arg-type]
+            total = sum(spent)
+            if total > 0:
+                shares = [s / total for s in spent]
+        return Epoch(mark.setting, done / wall, max(0.0, min(1.0, 1 - step_s / wall)),
+                     shares[0], shares[1], shares[2], self._worker_bytes(),
+                     rec.batch_bytes if rec.batch_bytes >= 0 else None,
+                     burstiness(counts, bounds))
+
+    def _worker_bytes(self) -> int | None:
+        fig = self.rec.workers.proc_figures()
+        active = self.rec.workers.active or 0
+        if fig is not None and active and fig.pss_bytes:
+            return fig.pss_bytes // active
+        if fig is not None and fig.max_rss_bytes:
+            return fig.max_rss_bytes
+        return _own_rss()
+
+    def _apply(self, loader: Any, decision: Decision,
+               forget_workers: Callable[[], None]) -> int | None:
+        s = decision.setting
+        old = compat.persistent_iterator(loader) if getattr(
+            loader, "persistent_workers", False) else None
+        loader.num_workers = s.workers
+        loader.prefetch_factor = s.prefetch if s.workers else None
+        seed = None
+        if old is not None:  # the pool torch would reuse has the old settings
+            seed = compat.base_seed(old)
+            compat.shut_down(loader, old)
+            forget_workers()
+        key = (decision.name, decision.reason)
+        self.rec.tuner_changes[key] = self.rec.tuner_changes.get(key, 0) + 1
+        rebuilt = " (its persistent workers start anew)" if old is not None else ""
+        log.warning("%s%s", decision.line(log_name(self.name)), rebuilt)
+        return seed
+
+    def _say_stable(self) -> None:
+        if not self.tuner.stable or self._said_stable:
+            return
+        self._said_stable = True
+        self.rec.tuner_stable = True
+        line = self.tuner.settings_line(self.name)
+        try:
+            parse(line or "")
+        except SettingsError:
+            line = None  # a name a settings line cannot hold
+        if line:
+            log.warning("dataloader %r: the tuner is stable at num_workers=%d, "
+                        "prefetch_factor=%d; to keep them without tuning: %s=%s",
+                        log_name(self.name), self.tuner.current.workers,
+                        self.tuner.current.prefetch, ENV_SETTINGS, line)
+
+    def tick(self) -> None:
+        """After a flush (a reader's thread): an epoch running past LONG_EPOCH is judged
+        once, and what the tuner would set is said, not applied."""
+        mark = self._mark
+        if self._advised or mark is None or self.tuner.stable:
+            return
+        now = perf_counter_ns()
+        if (now - mark.t_ns) / 1e9 < LONG_EPOCH:
+            return
+        with self._lock:
+            if self._advised or self._mark is not mark:
+                return
+            self._advised = True
+            epoch = self._epoch(mark, flush=False, end_ns=now)
+            if epoch is None:
+                return
+            decision = copy.deepcopy(self.tuner).observe(epoch, budget())
+        if decision is None:
+            return
+        once.problem(f"tune-long:{self.name}", "dataloader %r: its epoch has run %.0f s; "
+                     "the tuner would set %s %d -> %d (%s) but leaves it: a change needs a "
+                     "new iterator. To set it: %s=%s.%s=%d", log_name(self.name),
+                     (now - mark.t_ns) / 1e9, decision.name, decision.old, decision.new,
+                     decision.why, ENV_SETTINGS, self.name, decision.name, decision.new)
+
+
+def fresh_seed(torch_iter: Callable[[Any], Any], seed: int) -> Callable[[Any], Any]:
+    """torch_iter for a persistent pool rebuilt by the tuner: torch's new iterator draws
+    its base seed from a generator of its own (seeded from the old pool's), not from the
+    loader's, so the loader's generator (and the sampler order it drives) advances as if
+    the old pool had been reused."""
+    def it(loader: Any) -> Any:
+        user = loader.generator
+        own = torch.Generator()
+        own.manual_seed(seed)
+        loader.generator = own
+        try:
+            return torch_iter(loader)
+        finally:
+            loader.generator = user
+    return it
