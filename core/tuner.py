@@ -126,6 +126,9 @@ class Tuner:
             self.stable = True
             return None
         self.trials += 1
+        if decision.reason in ("cores", "memory"):
+            # The budget moved the setting, not a trial: nothing to revert to past it.
+            self.best, self.best_rate = decision.setting, 0.0
         if decision.reason in ("starved", "bursty"):
             self._trying = decision.name + "+"
         elif decision.reason == "cpu-contention":
@@ -189,6 +192,10 @@ class Tuner:
         n = epoch.setting.workers
         if not self.workers or n == 0:
             return None
+        if n > self.budget.cores:
+            return Decision(replace(epoch.setting, workers=self.budget.cores), "num_workers",
+                            n, self.budget.cores, "cores",
+                            f"{n} workers for {self.budget.cores} cores")
         if (epoch.waiting_cpu is not None and epoch.waiting_cpu >= bands.CPU_CONTENTION
                 and "num_workers-" not in self._exhausted):
             want = max(1, min(self.budget.cores, math.ceil(n * (1 - epoch.waiting_cpu))))
@@ -197,10 +204,6 @@ class Tuner:
                                 "cpu-contention",
                                 f"workers waited for a CPU {epoch.waiting_cpu:.0%} of the "
                                 f"time ({n} workers, {self.budget.cores} cores)")
-        if n > self.budget.cores:
-            return Decision(replace(epoch.setting, workers=self.budget.cores), "num_workers",
-                            n, self.budget.cores, "cores",
-                            f"{n} workers for {self.budget.cores} cores")
         if (epoch.worker_bytes is not None and self.budget.memory_room is not None
                 and self.budget.memory_room < 0):
             want = max(1, n - math.ceil(-self.budget.memory_room / max(1, epoch.worker_bytes)))

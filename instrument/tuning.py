@@ -168,7 +168,7 @@ class LoaderTuning:
                          log_name(name))
         self.tuner = Tuner(_setting(loader), workers=workers,
                            prefetch="prefetch_factor" in knobs)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a flush inside at_iter calls tick()
         self._mark: _Mark | None = None
         self._said_stable = False
         self._advised = False

@@ -176,3 +176,44 @@ def test_a_loader_that_keeps_up_is_left_alone() -> None:
     tuner = Tuner(Setting(1, 2))
     settings, decisions = tune(Pipeline(cpu=0.01, step=0.05), tuner, 5)
     assert decisions == [] and tuner.stable and set(settings) == {Setting(1, 2)}
+
+
+def test_more_workers_than_the_cores_allow_are_cut_and_never_restored() -> None:
+    # 3 workers ran faster than 1 will (the machine had the cores); the rank's budget is 1
+    # core now: the cut is the budget's, not a trial, so a slower epoch does not undo it.
+    tuner = Tuner(Setting(3, 2))
+    one = Budget(cores=1, memory_room=8 * GiB, shm_room=8 * GiB)
+    fast = Epoch(Setting(3, 2), 300.0, 0.3, running=0.9, waiting_cpu=0.1,
+                 worker_bytes=GiB // 4, batch_bytes=1 << 20)
+    cut = tuner.observe(fast, one)
+    assert cut is not None and (cut.reason, cut.new) == ("cores", 1)
+    slower = Epoch(Setting(1, 2), 150.0, 0.5, running=0.95, waiting_cpu=0.0,
+                   worker_bytes=GiB // 4, batch_bytes=1 << 20)
+    for _ in range(4):
+        assert tuner.observe(slower, one) is None
+    assert tuner.current == Setting(1, 2) and tuner.stable
+
+
+def test_auto_is_a_value_for_the_tunable_settings_only() -> None:
+    from dataloader_exporter.core.settings import (
+        AUTO,
+        SettingsError,
+        format_settings,
+        parse,
+        tuned,
+    )
+
+    line = parse("train.num_workers=auto,*.prefetch_factor=AUTO,val.num_workers=2")
+    assert [s.value for s in line] == [AUTO, AUTO, 2]
+    assert tuned(line, "train") == ("num_workers", "prefetch_factor")
+    assert tuned(line, "val") == ("prefetch_factor",)  # its own num_workers wins
+    assert parse("train.num_workers=0,train.prefetch_factor=auto")  # no clash: tuned
+    for bad in ("train.persistent_workers=auto", "train.pin_memory=auto",
+                "train.num_workers=automatic"):
+        try:
+            parse(bad)
+        except SettingsError as e:
+            assert "auto" in str(e) or "true or false" in str(e), e
+        else:
+            raise AssertionError(bad)
+    assert format_settings("train", {"num_workers": AUTO}) == "train.num_workers=auto"

@@ -1,0 +1,265 @@
+"""The loader tuner in a real loop (instrument/tuning.py): its changes happen between
+iterators and never change the data. Each case runs torch's own DataLoader and the tuned
+one side by side over the same dataset, seed and epochs, and compares every batch."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers import scrape
+from prometheus_client import CollectorRegistry, generate_latest
+from torch_helpers import BurnDataset, RangeIterable
+
+from dataloader_exporter import instrument
+from dataloader_exporter.core import advisor
+from dataloader_exporter.instrument import compat, tuning
+from dataloader_exporter.instrument.env import local_world_size
+
+EPOCHS = 4
+BATCH = 8
+N = 96  # 12 batches an epoch: past tuning.MIN_BATCHES
+CPU = 0.002  # CPU seconds per sample: the loop waits on it without workers
+
+Batches = list[list[torch.Tensor]]
+
+
+def cores() -> int:
+    return advisor.worker_cores(advisor.local_cpu(), local_world_size(), False)
+
+
+def epochs(loader: Any, n: int = EPOCHS, after: Callable[[], None] | None = None
+           ) -> tuple[Batches, list[int]]:
+    """Every batch of n epochs (the samples' indices), and num_workers at each epoch."""
+    seen: Batches = []
+    workers: list[int] = []
+    for _ in range(n):
+        epoch = []
+        it = iter(loader)
+        workers.append(loader.num_workers)
+        for batch in it:
+            epoch.append(batch[1].clone())
+        seen.append(epoch)
+        if after is not None:
+            after()
+    return seen, workers
+
+
+def same(a: Batches, b: Batches) -> bool:
+    return len(a) == len(b) and all(
+        len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y, strict=True))
+        for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture
+def tuner_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    with caplog.at_level(logging.INFO, logger="dataloader_exporter.instrument"):
+        yield caplog
+
+
+def test_a_shuffled_map_style_dataset_gives_the_same_batches_tuned_and_untuned(
+        registry: CollectorRegistry, tuner_log: pytest.LogCaptureFixture) -> None:
+    data = BurnDataset(N, cpu=CPU)
+    bare = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True,
+                                       generator=torch.Generator().manual_seed(7))
+    tuned = instrument.DataLoader(data, batch_size=BATCH, shuffle=True, name="order",
+                                  generator=torch.Generator().manual_seed(7),
+                                  registry=registry, tune=True)
+    expected, _ = epochs(bare)
+    got, workers = epochs(tuned)
+    assert workers[0] == 0 and workers[1] == 1, workers  # the loop waited: a worker added
+    assert same(got, expected)
+    assert "dataloader 'order': num_workers 0 -> 1: loop waited" in tuner_log.text
+
+
+def test_the_global_rng_and_the_order_are_the_same_when_the_loader_has_no_generator(
+        registry: CollectorRegistry) -> None:
+    data = BurnDataset(N, cpu=CPU)
+
+    def run(loader: Any) -> tuple[Batches, list[float], list[int]]:
+        torch.manual_seed(3)
+        draws: list[float] = []
+        seen, workers = epochs(loader, after=lambda: draws.append(torch.rand(1).item()))
+        return seen, draws, workers
+
+    expected, expected_draws, _ = run(torch.utils.data.DataLoader(data, batch_size=BATCH,
+                                                                  shuffle=True))
+    got, draws, workers = run(instrument.DataLoader(data, batch_size=BATCH, shuffle=True,
+                                                    name="rng", registry=registry, tune=True))
+    assert workers[1] == 1
+    assert same(got, expected) and draws == expected_draws
+
+
+@pytest.mark.parametrize("generator", [True, False], ids=["seeded", "global-rng"])
+def test_a_persistent_pool_is_rebuilt_between_epochs_with_the_same_order(
+        registry: CollectorRegistry, tuner_log: pytest.LogCaptureFixture,
+        generator: bool) -> None:
+    """More persistent workers than the rank's cores: the tuner cuts them at the second
+    iter(), shutting the old pool down; the sampler's generator (or torch's global one)
+    advances as if the pool had been reused."""
+    start = cores() + 1  # the machine's usable cores: torch warns past them
+    data = BurnDataset(N, cpu=CPU / 4)
+
+    def build(cls: Any, **kw: Any) -> Any:
+        gen = torch.Generator().manual_seed(11) if generator else None
+        return cls(data, batch_size=BATCH, shuffle=True, num_workers=start,
+                   persistent_workers=True, generator=gen, **kw)
+
+    def run(loader: Any) -> tuple[Batches, list[int], list[float]]:
+        torch.manual_seed(5)
+        bare_draws: list[float] = []
+        seen, workers = epochs(loader, after=lambda: bare_draws.append(torch.rand(1).item()))
+        return seen, workers, bare_draws
+
+    expected, _, expected_draws = run(build(torch.utils.data.DataLoader))
+    loader = build(instrument.DataLoader, name="pool", registry=registry, tune=True)
+    pools: list[list[int]] = []
+    torch.manual_seed(5)
+    draws: list[float] = []
+
+    def after() -> None:
+        draws.append(torch.rand(1).item())
+        pools.append(compat.worker_pids(compat.persistent_iterator(loader)))
+
+    got, workers = epochs(loader, after=after)
+    assert workers[0] == start and workers[1] == cores() and max(workers[1:]) <= cores()
+    assert same(got, expected) and draws == expected_draws
+    assert f"num_workers {start} -> {cores()}: {start} workers for {cores()} cores " \
+           "(its persistent workers start anew)" in tuner_log.text
+    assert [len(p) for p in pools] == workers
+    assert not [pid for pid in pools[0] if _running(pid)]  # the cut pool is gone
+    assert all(_running(pid) for pid in pools[-1])
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def test_an_iterable_datasets_worker_count_never_changes(
+        registry: CollectorRegistry, tuner_log: pytest.LogCaptureFixture) -> None:
+    start = cores() + 1  # over the budget: a map-style loader would be cut
+    bare = torch.utils.data.DataLoader(RangeIterable(N), batch_size=BATCH, num_workers=start)
+    tuned = instrument.DataLoader(RangeIterable(N), batch_size=BATCH, num_workers=start,
+                                  name="stream", registry=registry, tune=True)
+
+    def batches(loader: Any) -> tuple[Batches, list[int]]:
+        seen: Batches = []
+        workers = []
+        for _ in range(EPOCHS):
+            it = iter(loader)
+            workers.append(loader.num_workers)
+            seen.append([b.clone() for b in it])
+        return seen, workers
+
+    expected, _ = batches(bare)
+    got, workers = batches(tuned)
+    assert workers == [start] * EPOCHS
+    assert same(got, expected)
+    assert "num_workers=auto is not applied: its dataset is an IterableDataset" in \
+        tuner_log.text
+
+
+def test_the_tuner_is_visible_in_the_metrics_and_says_how_to_keep_its_settings(
+        registry: CollectorRegistry, tuner_log: pytest.LogCaptureFixture) -> None:
+    data = BurnDataset(N, cpu=CPU)
+    tuned = instrument.DataLoader(data, batch_size=BATCH, name="seen", registry=registry,
+                                  tune=("num_workers",))
+    plain = instrument.DataLoader(data, batch_size=BATCH, name="plain", registry=registry)
+    epochs(plain, 1)
+    epochs(tuned, 1)
+    assert scrape(registry)[("dataloader_tuner_stable", (("loader", "seen"),
+                                                          ("rank", "0")))] == 0.0
+    epochs(tuned, 8)
+    samples = scrape(registry)
+    assert samples[("dataloader_tuner_stable", (("loader", "seen"), ("rank", "0")))] == 1.0
+    changes = {dict(k[1])["reason"]: v for k, v in samples.items()
+               if k[0] == "dataloader_tuner_changes_total"}
+    assert changes.get("starved") == 1.0 and set(changes) <= {"starved", "reverted"}
+    assert not [k for k in samples if k[0].startswith("dataloader_tuner")
+                and dict(k[1])["loader"] == "plain"]  # not tuned: no tuner series at all
+    info = [dict(k[1]) for k in samples if k[0] == "dataloader_info"
+            and dict(k[1])["loader"] == "seen"]
+    assert info and info[0]["num_workers"] == str(tuned.num_workers)
+    line = f"DATALOADER_EXPORTER_SETTINGS=seen.num_workers={tuned.num_workers}"
+    assert tuner_log.text.count(line) == 1, tuner_log.text
+
+
+def test_auto_in_the_settings_line_tunes_a_wrapped_torch_loader(
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DATALOADER_EXPORTER_SETTINGS", "wrapped.num_workers=auto")
+    loader = torch.utils.data.DataLoader(BurnDataset(N, cpu=CPU), batch_size=BATCH)
+    assert instrument.wrap(loader, name="wrapped", registry=registry) is loader
+    _, workers = epochs(loader, 2)
+    assert workers == [0, 1]
+    monkeypatch.setenv("DATALOADER_EXPORTER_SETTINGS", "*.num_workers=auto")
+    built = instrument.DataLoader(BurnDataset(N, cpu=CPU), batch_size=BATCH, num_workers=0,
+                                  name="built", registry=registry)
+    assert built.num_workers == 0  # auto keeps the constructor's value to start from
+    assert epochs(built, 2)[1] == [0, 1]
+
+
+def test_tune_takes_true_or_setting_names_only() -> None:
+    data = BurnDataset(4)
+    for bad in ("num_workers", ("batch_size",), ("num_workers", "pin_memory")):
+        with pytest.raises(ValueError, match="tune: expected True, False or names"):
+            instrument.DataLoader(data, tune=bad)  # type: ignore[arg-type]
+    assert instrument.DataLoader(data, tune=["prefetch_factor"]).tune == (  # type: ignore[arg-type]
+        "prefetch_factor",)
+
+
+class Stubborn(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+    """A subclass that refuses num_workers once built."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "num_workers" and "num_workers" in self.__dict__:
+            raise AttributeError("num_workers is fixed here")
+        super().__setattr__(name, value)
+
+
+def test_a_loader_that_refuses_a_change_keeps_training_with_its_own_settings(
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch,
+        tuner_log: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("DATALOADER_EXPORTER_SETTINGS", "stubborn.num_workers=auto")
+    data = BurnDataset(N, cpu=CPU)
+    expected, _ = epochs(torch.utils.data.DataLoader(data, batch_size=BATCH))
+    loader = instrument.wrap(Stubborn(data, batch_size=BATCH), name="stubborn",
+                             registry=registry)
+    got, workers = epochs(loader)
+    assert workers == [0] * EPOCHS and same(got, expected)
+    assert "the tuner failed and stops; the loader keeps its settings" in tuner_log.text
+    assert scrape(registry)[("dataloader_tuner_stable", (("loader", "stubborn"),
+                                                          ("rank", "0")))] == 1.0
+
+
+def test_a_long_epoch_gets_advice_not_a_change(
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch,
+        tuner_log: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(tuning, "LONG_EPOCH", 0.05)
+    loader = instrument.DataLoader(BurnDataset(N, cpu=CPU), batch_size=BATCH, name="long",
+                                   registry=registry, tune=True)
+    it = iter(loader)
+    for _ in range(10):
+        next(it)
+    generate_latest(registry)  # a scrape: its flush judges the epoch that is running
+    assert loader.num_workers == 0  # the iterator under way is never changed
+    assert "dataloader 'long': its epoch has run" in tuner_log.text
+    assert "the tuner would set num_workers 0 -> 1" in tuner_log.text
+    assert "DATALOADER_EXPORTER_SETTINGS=long.num_workers=1" in tuner_log.text
+    assert sum(1 for _ in it) == N // BATCH - 10
+
+
+def test_without_the_private_attributes_a_persistent_pool_is_left_to_torch() -> None:
+    class Loader:
+        persistent_workers = True
+
+    loader, pool = Loader(), object()
+    compat.shut_down(loader, pool)  # no _iterator, no _shutdown_workers: nothing done
+    assert not hasattr(loader, "_iterator")
+    assert compat.base_seed(pool) == 0
