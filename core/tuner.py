@@ -9,12 +9,16 @@ justify, never guesses it):
   queue or storage alone), no worker waits for a CPU (under bands.CPU_CONTENTION), and
   the budget has room: the cores this rank may use, the memory one more worker takes
   against the room left, the batches in flight against /dev/shm;
-- fewer workers when they wait for a CPU, or when memory or /dev/shm would not hold them;
+- fewer workers when there are more than the rank's cores or they wait for a CPU, or when
+  memory would not hold them;
 - a deeper queue (prefetch_factor) when the loop waits although the workers are not busy
   and the wait comes in bursts (its 95th percentile far above its median);
-- every change made for speed is a trial: the next epoch's samples/s must beat the best setting's by
-  MIN_GAIN, else the tuner goes back to the best and stops moving that way. After
-  MAX_TRIALS, or when no rule fires, it is stable and stays: no oscillation.
+- every change but a cut for memory is a trial: after more workers or a deeper queue the
+  next epoch's samples/s must beat the best setting's by MIN_GAIN, after fewer workers it
+  may not fall more than MIN_GAIN below it; else the tuner goes back to the best and stops
+  moving that way. So a job is never slower than its own settings for longer than one
+  epoch, and workers past the rank's cores are kept only where they measured faster.
+  After MAX_TRIALS, or when no rule fires, it is stable and stays: no oscillation.
 """
 
 from __future__ import annotations
@@ -113,9 +117,13 @@ class Tuner:
         self.budget = budget
         if self._trying is not None:
             trying, self._trying = self._trying, None
-            if epoch.samples_per_s < self.best_rate * (1 + MIN_GAIN):
+            # More must beat the best by MIN_GAIN; fewer may not lose more than MIN_GAIN
+            # (the same speed with fewer workers or a shorter queue is a gain in itself).
+            floor = 1 + MIN_GAIN if trying.endswith("+") else 1 - MIN_GAIN
+            if epoch.samples_per_s < self.best_rate * floor:
                 self._exhausted.add(trying)
                 return self._revert(epoch, trying)
+            self.best, self.best_rate = self.current, epoch.samples_per_s
         if epoch.samples_per_s >= self.best_rate:
             self.best, self.best_rate = self.current, epoch.samples_per_s
         if self.trials >= MAX_TRIALS:
@@ -126,12 +134,12 @@ class Tuner:
             self.stable = True
             return None
         self.trials += 1
-        if decision.reason in ("cores", "memory"):
-            # The budget moved the setting, not a trial: nothing to revert to past it.
+        if decision.reason == "memory":
+            # Memory would not hold them: not a trial, nothing to go back to past it.
             self.best, self.best_rate = decision.setting, 0.0
         if decision.reason in ("starved", "bursty"):
             self._trying = decision.name + "+"
-        elif decision.reason == "cpu-contention":
+        elif decision.reason in ("cpu-contention", "cores"):
             self._trying = decision.name + "-"
         self.current = decision.setting
         return decision
@@ -142,9 +150,10 @@ class Tuner:
         old = epoch.setting.workers if name == "num_workers" else epoch.setting.prefetch
         new = self.best.workers if name == "num_workers" else self.best.prefetch
         self.current = self.best
-        return Decision(self.best, name, old, new, "reverted",
-                        f"{epoch.samples_per_s:.0f} samples/s did not beat "
-                        f"{self.best_rate:.0f} by {MIN_GAIN:.0%}: back to {new}")
+        rate, best = f"{epoch.samples_per_s:.0f} samples/s", f"{self.best_rate:.0f}"
+        why = (f"{rate} did not beat {best} by {MIN_GAIN:.0%}" if trying.endswith("+") else
+               f"{rate} fell more than {MIN_GAIN:.0%} below {best}")
+        return Decision(self.best, name, old, new, "reverted", f"{why}: back to {new}")
 
     def _room_for(self, epoch: Epoch, workers: int, prefetch: int) -> str | None:
         """Why `workers` x `prefetch` would not fit the budget; None when it fits or the
@@ -192,7 +201,7 @@ class Tuner:
         n = epoch.setting.workers
         if not self.workers or n == 0:
             return None
-        if n > self.budget.cores:
+        if n > self.budget.cores and "num_workers-" not in self._exhausted:
             return Decision(replace(epoch.setting, workers=self.budget.cores), "num_workers",
                             n, self.budget.cores, "cores",
                             f"{n} workers for {self.budget.cores} cores")

@@ -178,20 +178,27 @@ def test_a_loader_that_keeps_up_is_left_alone() -> None:
     assert decisions == [] and tuner.stable and set(settings) == {Setting(1, 2)}
 
 
-def test_more_workers_than_the_cores_allow_are_cut_and_never_restored() -> None:
-    # 3 workers ran faster than 1 will (the machine had the cores); the rank's budget is 1
-    # core now: the cut is the budget's, not a trial, so a slower epoch does not undo it.
-    tuner = Tuner(Setting(3, 2))
+def test_workers_past_the_cores_are_cut_and_kept_only_where_they_were_faster() -> None:
     one = Budget(cores=1, memory_room=8 * GiB, shm_room=8 * GiB)
-    fast = Epoch(Setting(3, 2), 300.0, 0.3, running=0.9, waiting_cpu=0.1,
-                 worker_bytes=GiB // 4, batch_bytes=1 << 20)
-    cut = tuner.observe(fast, one)
+
+    def epoch(workers: int, rate: float) -> Epoch:
+        return Epoch(Setting(workers, 2), rate, 0.3, running=0.9, waiting_cpu=0.1,
+                     worker_bytes=GiB // 4, batch_bytes=1 << 20)
+
+    # Just as fast with one worker as with three: the cut stays.
+    tuner = Tuner(Setting(3, 2))
+    cut = tuner.observe(epoch(3, 300.0), one)
     assert cut is not None and (cut.reason, cut.new) == ("cores", 1)
-    slower = Epoch(Setting(1, 2), 150.0, 0.5, running=0.95, waiting_cpu=0.0,
-                   worker_bytes=GiB // 4, batch_bytes=1 << 20)
-    for _ in range(4):
-        assert tuner.observe(slower, one) is None
+    assert tuner.observe(epoch(1, 290.0), one) is None
     assert tuner.current == Setting(1, 2) and tuner.stable
+    # Three were faster (the machine had the cores): back after one epoch, and it stays.
+    tuner = Tuner(Setting(3, 2))
+    assert tuner.observe(epoch(3, 300.0), one) is not None
+    back = tuner.observe(epoch(1, 150.0), one)
+    assert back is not None and (back.reason, back.new) == ("reverted", 3)
+    for _ in range(4):
+        assert tuner.observe(epoch(3, 300.0), one) is None
+    assert tuner.current == Setting(3, 2)
 
 
 def test_auto_is_a_value_for_the_tunable_settings_only() -> None:

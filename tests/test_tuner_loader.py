@@ -98,7 +98,7 @@ def test_a_persistent_pool_is_rebuilt_between_epochs_with_the_same_order(
         registry: CollectorRegistry, tuner_log: pytest.LogCaptureFixture,
         generator: bool) -> None:
     """More persistent workers than the rank's cores: the tuner cuts them at the second
-    iter(), shutting the old pool down; the sampler's generator (or torch's global one)
+    iter() (a trial: undone if slower), shutting the old pool down each time; the sampler's generator (or torch's global one)
     advances as if the pool had been reused."""
     start = cores() + 1  # the machine's usable cores: torch warns past them
     data = BurnDataset(N, cpu=CPU / 4)
@@ -125,7 +125,8 @@ def test_a_persistent_pool_is_rebuilt_between_epochs_with_the_same_order(
         pools.append(compat.worker_pids(compat.persistent_iterator(loader)))
 
     got, workers = epochs(loader, after=after)
-    assert workers[0] == start and workers[1] == cores() and max(workers[1:]) <= cores()
+    # Cut at the second epoch; back at the third if the cut was slower (a trial).
+    assert workers[0] == start and workers[1] == cores()
     assert same(got, expected) and draws == expected_draws
     assert f"num_workers {start} -> {cores()}: {start} workers for {cores()} cores " \
            "(its persistent workers start anew)" in tuner_log.text
