@@ -15,6 +15,7 @@ from conftest import require_module
 from procs import REPO, SCRIPTS, Run, built_at, run_script
 from prometheus_client import CollectorRegistry
 
+from dataloader_exporter.core import advisor
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.instrument import zerocode
 
@@ -45,7 +46,11 @@ def hf_trainer(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def lightning_zero_code(tmp_path_factory: pytest.TempPathFactory) -> Run:
     require_module("lightning")
     tmp = tmp_path_factory.mktemp("lightning-zero-code")
-    return zero_code(tmp, sys.executable, str(SCRIPTS / "lightning_ddp.py"), str(tmp), "plain")
+    # The tuner on (issue 22): Lightning's own copy of the loader is tuned, per rank.
+    return run_script(tmp, [sys.executable, "-m", "dataloader_exporter", "run", "--metrics-dir",
+                            str(tmp / "m"), "--settings", "*.num_workers=auto", "--",
+                            sys.executable, str(SCRIPTS / "lightning_ddp.py"), str(tmp),
+                            "plain"])
 
 
 @pytest.fixture(scope="module")
@@ -159,4 +164,23 @@ def test_lightning_ddp_still_shards_each_rank_to_16_batches_an_epoch(
         assert truth["per_epoch"] == [16, 16] and truth["sampler"] == "DistributedSampler"
     assert_workers_seen_honestly(run, "train")
     assert "never iterated" not in run.log
+
+
+def test_lightning_ddp_ranks_each_tune_their_loader_within_their_share_of_the_cores(
+        lightning_zero_code: Run) -> None:
+    """`--settings '*.num_workers=auto'`: each rank's copy of the loader (Lightning's, with
+    its DistributedSampler) is tuned, within the cores of one of 2 local ranks, and the
+    batches are Lightning's own (the test above, on the same run)."""
+    share = advisor.worker_cores(advisor.local_cpu(), 2, False)
+    for rank in (0, 1):
+        assert run_value(lightning_zero_code, rank, cat.TUNER_STABLE.name) in (0.0, 1.0)
+        assert 1 <= run_value(lightning_zero_code, rank, cat.WORKERS_CONFIGURED.name) <= \
+            max(share, 1)
+    assert "the tuner failed" not in lightning_zero_code.log
+
+
+def run_value(run: Run, rank: int, name: str) -> float:
+    value = run.value(rank, name, loader="train")
+    assert value is not None, (rank, name, run.log[-3000:])
+    return value
 
