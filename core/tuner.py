@@ -10,7 +10,7 @@ justify, never guesses it):
   the budget has room: the cores this rank may use, the memory one more worker takes
   against the room left, the batches in flight against /dev/shm;
 - fewer workers when there are more than the rank's cores or they wait for a CPU, or when
-  memory would not hold them;
+  memory would not hold them; never none, for a loader that has workers;
 - a deeper queue (prefetch_factor) when the loop waits although the workers are not busy
   and the wait comes in bursts (its 95th percentile far above its median);
 - every change but a cut for memory is a trial: after more workers or a deeper queue the

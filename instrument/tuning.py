@@ -26,11 +26,14 @@ decides how it is split: the tuner never changes it there.
 An epoch still running after LONG_EPOCH (one-epoch pre-training) is judged as advice only:
 a change needs a new iterator, and no torch loader resumes mid-epoch under another worker
 count (torchdata's StatefulDataLoader refuses a state saved with a different num_workers).
+So is a loader whose sampler draws its order when an iterator is built (_order_bound),
+where a new pool would change the order.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 import threading
@@ -139,6 +142,26 @@ def _setting(loader: Any) -> Setting:
     return Setting(int(loader.num_workers or 0), int(loader.prefetch_factor or 2))
 
 
+def _order_bound(loader: Any, workers: int) -> str | None:
+    """Why a new worker pool would change the order of this loader's batches, or None.
+
+    torch builds the sampler's iterator once in a single-process iterator and twice in a
+    multi-process one (and once more at each epoch of a persistent pool). A sampler whose
+    __iter__ is a generator function draws its order lazily, at the first index: the
+    count does not matter. One that draws it when the iterator is built (torchdata's
+    StatefulDataLoader samplers, a custom __iter__ returning iter(list)) consumes its
+    generator once more per build: going from no workers to some, or rebuilding a
+    persistent pool, would change the order, tuner or person alike."""
+    index = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+    if inspect.isgeneratorfunction(getattr(type(index), "__iter__", None)):
+        return None
+    if workers and not getattr(loader, "persistent_workers", False):
+        return None  # among worker counts of 1 and more (never 0: see core/tuner.py)
+    pool = "rebuilding its persistent workers" if workers else "starting workers"
+    return (f"its sampler ({type(index).__qualname__}) draws its order when an iterator is "
+            f"built, so {pool} would change the order of the batches")
+
+
 @dataclass(frozen=True)
 class _Mark:
     """A loader's counters at an epoch's iter()."""
@@ -168,6 +191,8 @@ class LoaderTuning:
                          log_name(name))
         self.tuner = Tuner(_setting(loader), workers=workers,
                            prefetch="prefetch_factor" in knobs)
+        # Where a change would change the order of the batches, the tuner only advises.
+        self.advice_only = _order_bound(loader, self.tuner.start.workers)
         self._lock = threading.RLock()  # a flush inside at_iter calls tick()
         self._mark: _Mark | None = None
         self._said_stable = False
@@ -189,7 +214,11 @@ class LoaderTuning:
                 mark, self._mark = self._mark, None
                 if mark is not None and not self.tuner.stable:
                     epoch = self._epoch(mark)
-                    if epoch is not None:
+                    if epoch is not None and self.advice_only:
+                        self._advise(copy.deepcopy(self.tuner).observe(epoch, budget()),
+                                     self.advice_only)
+                        self.tuner.stable = True
+                    elif epoch is not None:
                         decision = self.tuner.observe(epoch, budget())
                         if decision is not None:
                             seed = self._apply(loader, decision, forget_workers)
@@ -306,13 +335,17 @@ class LoaderTuning:
             if epoch is None:
                 return
             decision = copy.deepcopy(self.tuner).observe(epoch, budget())
+        self._advise(decision, f"its epoch has run {(now - mark.t_ns) / 1e9:.0f} s, and a "
+                     "change needs a new iterator")
+
+    def _advise(self, decision: Decision | None, because: str) -> None:
+        """Says what the tuner would set, once, without setting it."""
         if decision is None:
             return
-        once.problem(f"tune-long:{self.name}", "dataloader %r: its epoch has run %.0f s; "
-                     "the tuner would set %s %d -> %d (%s) but leaves it: a change needs a "
-                     "new iterator. To set it: %s=%s.%s=%d", log_name(self.name),
-                     (now - mark.t_ns) / 1e9, decision.name, decision.old, decision.new,
-                     decision.why, ENV_SETTINGS, self.name, decision.name, decision.new)
+        once.problem(f"tune-advice:{self.name}", "dataloader %r: the tuner would set %s %d -> "
+                     "%d (%s) but leaves it: %s. To set it: %s=%s.%s=%d", log_name(self.name),
+                     decision.name, decision.old, decision.new, decision.why, because,
+                     ENV_SETTINGS, self.name, decision.name, decision.new)
 
 
 def fresh_seed(torch_iter: Callable[[Any], Any], seed: int) -> Callable[[Any], Any]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import require_module
 from helpers import scrape
 from prometheus_client import CollectorRegistry, generate_latest
 from torch_helpers import BurnDataset, RangeIterable
@@ -98,8 +99,8 @@ def test_a_persistent_pool_is_rebuilt_between_epochs_with_the_same_order(
         registry: CollectorRegistry, tuner_log: pytest.LogCaptureFixture,
         generator: bool) -> None:
     """More persistent workers than the rank's cores: the tuner cuts them at the second
-    iter() (a trial: undone if slower), shutting the old pool down each time; the sampler's generator (or torch's global one)
-    advances as if the pool had been reused."""
+    iter() (a trial: undone if slower), shutting the old pool down each time; the
+    sampler's generator (or torch's global one) advances as if the pool had been reused."""
     start = cores() + 1  # the machine's usable cores: torch warns past them
     data = BurnDataset(N, cpu=CPU / 4)
 
@@ -250,8 +251,8 @@ def test_a_long_epoch_gets_advice_not_a_change(
         next(it)
     generate_latest(registry)  # a scrape: its flush judges the epoch that is running
     assert loader.num_workers == 0  # the iterator under way is never changed
-    assert "dataloader 'long': its epoch has run" in tuner_log.text
-    assert "the tuner would set num_workers 0 -> 1" in tuner_log.text
+    assert "dataloader 'long': the tuner would set num_workers 0 -> 1" in tuner_log.text
+    assert "but leaves it: its epoch has run" in tuner_log.text
     assert "DATALOADER_EXPORTER_SETTINGS=long.num_workers=1" in tuner_log.text
     assert sum(1 for _ in it) == N // BATCH - 10
 
@@ -264,3 +265,35 @@ def test_without_the_private_attributes_a_persistent_pool_is_left_to_torch() -> 
     compat.shut_down(loader, pool)  # no _iterator, no _shutdown_workers: nothing done
     assert not hasattr(loader, "_iterator")
     assert compat.base_seed(pool) == 0
+
+
+def test_a_sampler_that_draws_its_order_at_iter_gets_advice_and_the_same_batches(
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch,
+        tuner_log: pytest.LogCaptureFixture) -> None:
+    """torchdata's StatefulDataLoader draws its shuffled order when torch builds the
+    sampler's iterator, which a multi-process iterator does twice: with a worker, the
+    order would not be the one without. The tuner says what it would set and leaves it;
+    the loop sees the untuned batches, and resumes from a state_dict() exactly."""
+    sdl = require_module("torchdata.stateful_dataloader")
+    monkeypatch.setenv("DATALOADER_EXPORTER_SETTINGS", "stateful.num_workers=auto")
+    data = BurnDataset(N, cpu=CPU)
+
+    def build(workers: int = 0) -> Any:
+        return sdl.StatefulDataLoader(data, batch_size=BATCH, shuffle=True,
+                                      num_workers=workers,
+                                      generator=torch.Generator().manual_seed(2))
+
+    expected, _ = epochs(build(), 3)
+    with_a_worker, _ = epochs(build(1), 3)
+    assert not same(with_a_worker, expected)  # why the tuner must not start workers here
+    loader = instrument.wrap(build(), name="stateful", registry=registry)
+    got, workers = epochs(loader, 2)
+    assert workers == [0, 0] and same(got, expected[:2])
+    assert "the tuner would set num_workers 0 -> 1" in tuner_log.text
+    assert "its sampler (BatchSampler) draws its order when an iterator is built, so " \
+           "starting workers would change the order of the batches" in tuner_log.text
+    it = iter(loader)
+    head = [next(it)[1].clone() for _ in range(5)]
+    resumed = build()
+    resumed.load_state_dict(loader.state_dict())
+    assert same([head + [b[1].clone() for b in resumed]], [expected[2]])
