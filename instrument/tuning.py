@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.utils.data
+import torch.utils.data.distributed
 
 from dataloader_exporter.core import advisor, bands
 from dataloader_exporter.core.facts.cgroup import (
@@ -153,13 +154,29 @@ def _order_bound(loader: Any, workers: int) -> str | None:
     generator once more per build: going from no workers to some, or rebuilding a
     persistent pool, would change the order, tuner or person alike."""
     index = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-    if inspect.isgeneratorfunction(getattr(type(index), "__iter__", None)):
+    if _lazy(index):
         return None
     if workers and not getattr(loader, "persistent_workers", False):
         return None  # among worker counts of 1 and more (never 0: see core/tuner.py)
     pool = "rebuilding its persistent workers" if workers else "starting workers"
     return (f"its sampler ({type(index).__qualname__}) draws its order when an iterator is "
             f"built, so {pool} would change the order of the batches")
+
+
+def _lazy(sampler: Any, depth: int = 0) -> bool:
+    """Whether building the sampler's iterator draws nothing: its __iter__ is a generator
+    function; torch's SequentialSampler and DistributedSampler (no shared RNG: the
+    latter seeds its own from seed + epoch); or Accelerate's shard of a batch sampler,
+    whose __iter__ returns its own generator over the sampler it holds, lazy if that is."""
+    if inspect.isgeneratorfunction(getattr(type(sampler), "__iter__", None)):
+        return True
+    if isinstance(sampler, (torch.utils.data.SequentialSampler,
+                            torch.utils.data.distributed.DistributedSampler)):
+        return True
+    inner = getattr(sampler, "batch_sampler", None)
+    return (depth < 3 and inner is not None
+            and type(sampler).__module__.startswith("accelerate.")
+            and _lazy(inner, depth + 1))
 
 
 @dataclass(frozen=True)

@@ -297,3 +297,37 @@ def test_a_sampler_that_draws_its_order_at_iter_gets_advice_and_the_same_batches
     resumed = build()
     resumed.load_state_dict(loader.state_dict())
     assert same([head + [b[1].clone() for b in resumed]], [expected[2]])
+
+
+class EagerSampler(torch.utils.data.Sampler[int]):
+    """Draws its permutation when its iterator is built (a plain __iter__)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(torch.randperm(self.n).tolist())
+
+
+def test_which_samplers_let_a_new_pool_keep_the_order() -> None:
+    accelerate = require_module("accelerate.data_loader")
+    data = list(range(40))
+    lazy = [torch.utils.data.DataLoader(data, batch_size=4, shuffle=True),
+            torch.utils.data.DataLoader(data, batch_size=None),
+            torch.utils.data.DataLoader(data, batch_size=4, sampler=torch.utils.data.
+                                        DistributedSampler(data, num_replicas=2, rank=0)),
+            torch.utils.data.DataLoader(data, batch_sampler=accelerate.BatchSamplerShard(
+                torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(data), 4, False),
+                2, 0))]
+    assert [tuning._order_bound(loader, 0) for loader in lazy] == [None] * 4
+    # torch's BatchSampler builds its sampler's iterator at its first batch: lazy even
+    # over an eager sampler. Without batching, the eager sampler is torch's to iterate.
+    assert tuning._order_bound(torch.utils.data.DataLoader(
+        data, batch_size=4, sampler=EagerSampler(40)), 0) is None
+    eager = torch.utils.data.DataLoader(data, batch_size=None, sampler=EagerSampler(40))
+    assert "EagerSampler" in (tuning._order_bound(eager, 0) or "")
+    assert tuning._order_bound(torch.utils.data.DataLoader(
+        data, batch_size=None, sampler=EagerSampler(40), num_workers=1), 1) is None
