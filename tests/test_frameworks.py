@@ -22,17 +22,20 @@ from dataloader_exporter.instrument import zerocode
 ACCELERATE_LOADER = built_at("accelerate_train.py", "loader = DataLoader(", "main(sys.argv[1])")
 
 
-def zero_code(tmp: Path, *command: str) -> Run:
+def zero_code(tmp: Path, *command: str, settings: str = "") -> Run:
+    flags = ["--settings", settings] if settings else []
     return run_script(tmp, [sys.executable, "-m", "dataloader_exporter", "run", "--metrics-dir",
-                      str(tmp / "m"), "--", *command])
+                      str(tmp / "m"), *flags, "--", *command])
 
 
 @pytest.fixture(scope="module")
 def accelerate_torchrun(tmp_path_factory: pytest.TempPathFactory) -> Run:
     require_module("accelerate")
     tmp = tmp_path_factory.mktemp("accelerate")
+    # The tuner on (issue 22): each rank's prepared loader is tuned.
     return zero_code(tmp, sys.executable, "-m", "torch.distributed.run", "--standalone",
-                     "--nproc_per_node=2", str(SCRIPTS / "accelerate_train.py"), str(tmp))
+                     "--nproc_per_node=2", str(SCRIPTS / "accelerate_train.py"), str(tmp),
+                     settings="*.num_workers=auto")
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +50,8 @@ def lightning_zero_code(tmp_path_factory: pytest.TempPathFactory) -> Run:
     require_module("lightning")
     tmp = tmp_path_factory.mktemp("lightning-zero-code")
     # The tuner on (issue 22): Lightning's own copy of the loader is tuned, per rank.
-    return run_script(tmp, [sys.executable, "-m", "dataloader_exporter", "run", "--metrics-dir",
-                            str(tmp / "m"), "--settings", "*.num_workers=auto", "--",
-                            sys.executable, str(SCRIPTS / "lightning_ddp.py"), str(tmp),
-                            "plain"])
+    return zero_code(tmp, sys.executable, str(SCRIPTS / "lightning_ddp.py"), str(tmp), "plain",
+                     settings="*.num_workers=auto")
 
 
 @pytest.fixture(scope="module")
@@ -166,21 +167,21 @@ def test_lightning_ddp_still_shards_each_rank_to_16_batches_an_epoch(
     assert "never iterated" not in run.log
 
 
-def test_lightning_ddp_ranks_each_tune_their_loader_within_their_share_of_the_cores(
-        lightning_zero_code: Run) -> None:
-    """`--settings '*.num_workers=auto'`: each rank's copy of the loader (Lightning's, with
-    its DistributedSampler) is tuned, within the cores of one of 2 local ranks, and the
-    batches are Lightning's own (the test above, on the same run)."""
+@pytest.mark.parametrize("framework", ["lightning", "accelerate"])
+def test_ddp_ranks_each_tune_their_loader_within_their_share_of_the_cores(
+        framework: str, request: pytest.FixtureRequest) -> None:
+    """`--settings '*.num_workers=auto'`: each rank's loader (Lightning's copy with its
+    DistributedSampler; Accelerate's prepared one) is tuned, within the cores of one of 2
+    local ranks, and the batches are the framework's own (the tests above, on the same
+    runs)."""
+    run: Run = request.getfixturevalue("lightning_zero_code" if framework == "lightning"
+                                       else "accelerate_torchrun")
+    loader = "train" if framework == "lightning" else ACCELERATE_LOADER
     share = advisor.worker_cores(advisor.local_cpu(), 2, False)
     for rank in (0, 1):
-        assert run_value(lightning_zero_code, rank, cat.TUNER_STABLE.name) in (0.0, 1.0)
-        assert 1 <= run_value(lightning_zero_code, rank, cat.WORKERS_CONFIGURED.name) <= \
-            max(share, 1)
-    assert "the tuner failed" not in lightning_zero_code.log
-
-
-def run_value(run: Run, rank: int, name: str) -> float:
-    value = run.value(rank, name, loader="train")
-    assert value is not None, (rank, name, run.log[-3000:])
-    return value
+        stable = run.value(rank, cat.TUNER_STABLE.name, loader=loader)
+        workers = run.value(rank, cat.WORKERS_CONFIGURED.name, loader=loader)
+        assert stable in (0.0, 1.0), (rank, run.log[-3000:])  # absent: not tuned
+        assert workers is not None and 1 <= workers <= share
+    assert "the tuner failed" not in run.log
 
