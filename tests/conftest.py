@@ -96,6 +96,7 @@ SLOW_MODULES = frozenset({
     "test_namespace.py",
     "test_packaging.py",
     "test_resources.py",
+    "test_tuner_budgets.py",
     "test_worker_cases.py",
     "test_worker_liveness.py",
 })
@@ -143,7 +144,7 @@ SLOW = {
         "test_prometheus_scrapes_over_tls_with_basic_auth_and_others_are_refused",
         "test_wrong_passwords_queue_for_bcrypt_but_a_known_password_never_waits"},
     "test_top_and_demo.py": {
-        "test_the_demo_runs_both_configurations_and_reports_a_speed_up",
+        "test_the_demo_runs_three_configurations_and_the_auto_one_settles_on_a_worker",
         "test_top_draws_in_a_terminal_and_quits_cleanly"},
     "test_zerocode.py": {
         "test_a_lookup_of_torch_before_its_import_does_not_switch_the_hook_off",
