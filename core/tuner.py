@@ -18,7 +18,9 @@ justify, never guesses it):
   may not fall more than MIN_GAIN below it; else the tuner goes back to the best and stops
   moving that way. So a job is never slower than its own settings for longer than one
   epoch, and workers past the rank's cores are kept only where they measured faster.
-  After MAX_TRIALS, or when no rule fires, it is stable and stays: no oscillation.
+  After MAX_TRIALS, or when no rule fires, it is stable and stays: no oscillation (where
+  the loop waits but the workers' shares are not known yet, it waits UNSEEN_EPOCHS
+  epochs for them first).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ MAX_TRIALS = 8  # then the tuner is stable, whatever the figures say
 MAX_PREFETCH = 8  # batches per worker: deeper queues only hold memory
 BURSTY = 4.0  # fetch wait p95 over its median at which the wait comes in bursts
 BUSY = 0.5  # workers running at least this share of their time are the bottleneck
+UNSEEN_EPOCHS = 2  # epochs to wait for unknown worker shares before settling
 
 
 # Why a setting changed: the loop waited on busy workers; they waited for a CPU; more
@@ -104,6 +107,7 @@ class Tuner:
     budget: Budget = field(init=False)
     _exhausted: set[str] = field(default_factory=set)  # directions that did not help
     _trying: str | None = None  # the direction of the trial now running
+    _unseen: int = 0  # epochs waited for the workers' shares
 
     def __post_init__(self) -> None:
         self.current = self.start
@@ -131,6 +135,9 @@ class Tuner:
             return None
         decision = self._shrink(epoch) or self._grow(epoch) or self._deepen(epoch)
         if decision is None:
+            if self._blind(epoch) and self._unseen < UNSEEN_EPOCHS:
+                self._unseen += 1  # the loop waits, but on what is not known yet
+                return None
             self.stable = True
             return None
         self.trials += 1
@@ -143,6 +150,12 @@ class Tuner:
             self._trying = decision.name + "-"
         self.current = decision.setting
         return decision
+
+    def _blind(self, epoch: Epoch) -> bool:
+        """The loop waited, but the workers' shares that would say why are unknown (a
+        pool's first seconds are not sampled yet)."""
+        return (self.workers and epoch.setting.workers > 0 and epoch.stall >= bands.MODERATE
+                and (epoch.running is None or epoch.waiting_cpu is None))
 
     def _revert(self, epoch: Epoch, trying: str) -> Decision:
         assert self.best is not None

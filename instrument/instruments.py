@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 from time import perf_counter_ns
 from typing import Any
@@ -45,6 +46,8 @@ class Instruments:
         self.tune = tune  # settings the tuner sets, given in code (instrument.DataLoader)
         self.tuning: LoaderTuning | None = None
         self._tune_checked = False
+        self._probe_start = 0  # the batch count at the start of the tuned epoch
+        self._probe_doubling = False
         self.registry = registry
         self.metrics_dir = metrics_dir
         self.port = port
@@ -114,6 +117,28 @@ class Instruments:
             self.tuning = LoaderTuning(self.name, knobs, loader, self.rec)
         return self.tuning.at_iter(loader, self.forget_workers)
 
+    def probe_at(self, it: Any) -> int:
+        """For a tuned loader: the batch count at which its workers are sampled, so that
+        the epoch's last sample is taken while they live (torch ends a non-persistent
+        pool before its iterator raises StopIteration): its next-to-last batch when its
+        length is known, else after 8, 16, 32, ... batches. 0 without workers."""
+        if not self.config.num_workers:
+            return 0
+        self._probe_start = self.rec.batches
+        try:
+            n: int | None = len(it)
+        except Exception:  # no length
+            n = None
+        self._probe_doubling = n is None
+        if n is None:
+            return self._probe_start + 8
+        return self._probe_start + n - 1 if n >= 3 else 0
+
+    def probed(self, at: int) -> int:
+        """Samples the workers now (a probe_at count was reached); the next count."""
+        self.rec.workers.refresh(time.monotonic(), batches=self.rec.batches, force=True)
+        return at + (at - self._probe_start) if self._probe_doubling else 0
+
     def forget_workers(self) -> None:
         """The tracked pool was shut down on purpose (the tuner rebuilds it)."""
         if self._last_gen:
@@ -165,6 +190,8 @@ class Instruments:
     def first_batch(self, batch: Any, since_iter_ns: int) -> None:
         rec = self.rec
         rec.first.append(since_iter_ns)
+        if self.tuning is not None:  # the workers' first sample of the epoch (tuning.py)
+            rec.workers.refresh(time.monotonic(), batches=rec.batches, force=True)
         self.iterated = True
         self.epochs += 1
         rec.epochs += 1
@@ -181,8 +208,8 @@ class Instruments:
 
     def end(self, gen: int) -> None:
         """The iterator is exhausted (StopIteration)."""
-        if self.tuning is not None:
-            self.rec.flush()  # the workers' last figures, before they stop
+        if self.tuning is not None:  # the workers' last figures, before they stop
+            self.rec.workers.refresh(time.monotonic(), batches=self.rec.batches, force=True)
         if gen and not self.config.persistent_workers:
             self.rec.workers.stop(gen)  # torch has shut these workers down on purpose
         self.hub.flush_now()

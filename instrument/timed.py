@@ -133,8 +133,8 @@ def _with_collate(loader: Any, collate: TimedCollate, torch_iter: Callable[[Any]
 class TimedIterator:
     """Times each next() of the iterator it holds; everything else passes through."""
 
-    __slots__ = ("__weakref__", "_count", "_done", "_gen", "_it", "_last", "_owner", "_rec",
-                 "_start")
+    __slots__ = ("__weakref__", "_count", "_done", "_gen", "_it", "_last", "_owner", "_probe",
+                 "_rec", "_start")
 
     def __init__(self, it: Any, owner: Instruments, start_ns: int, gen: int = 0,
                  count: Counter = loader_len) -> None:
@@ -146,6 +146,8 @@ class TimedIterator:
         self._gen = gen
         self._last = 0
         self._done = False
+        # The batch count at which a tuned loader's workers are sampled (0: never).
+        self._probe = owner.probe_at(it) if owner.tuning is not None else 0
 
     def __iter__(self) -> TimedIterator:
         return self
@@ -170,6 +172,8 @@ class TimedIterator:
         self._last = t1
         rec.last_batch_ns = t1
         rec.batches += 1
+        if rec.batches == self._probe:
+            self._probe = self._owner.probed(self._probe)
         try:  # free in CPython 3.11 unless it raises; an odd batch must not stop training
             n = self._count(batch)
             if n is None:

@@ -222,14 +222,17 @@ class WorkerTracker:
     # --- read by the collector ---------------------------------------------------------
     def refresh(self, now: float, on_error: bool = False,
                 exits: Callable[[int], Exit | None] | None = None, batches: int = 0,
-                named: dict[int, int | None] | None = None) -> None:
+                named: dict[int, int | None] | None = None, force: bool = False) -> None:
         """Re-counts live workers and reads their /proc figures, at most once per
         min_interval unless on_error (the loader raised: a worker gone now with no exit
         to read was lost). exits: how a dead worker ended, where torch has reaped it;
         batches: the loader's count so far (the workers' time counts while it grows);
         named: the workers torch's exception says died (pid -> signal, None for "exited
-        unexpectedly"), lost whatever their exit code."""
+        unexpectedly"), lost whatever their exit code. force: read now, whatever the
+        interval (the tuner's samples at an epoch's first batch and end)."""
         with self._lock:
+            if force:
+                self._next = 0.0
             self._refresh(now, on_error, exits, batches, named or {})
             for pid, signo in (named or {}).items():  # workers we could not see
                 if pid not in self._done:

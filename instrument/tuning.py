@@ -281,9 +281,12 @@ class LoaderTuning:
             bounds = rec.fetch_h.bounds
         done = rec.samples - mark.samples if rec.samples_known else batches
         now = self._proc()
+        before = mark.proc
+        if before == (None, None, None) and None not in now:
+            before = (0, 0, 0)  # no worker sampled at the mark: the sums began at 0 since
         shares: list[float | None] = [None, None, None]
-        if None not in now and None not in mark.proc:
-            spent = [int(a) - int(b) for a, b in zip(now, mark.proc, strict=True)]  # type: ignore[arg-type]
+        if None not in now and None not in before:
+            spent = [int(a) - int(b) for a, b in zip(now, before, strict=True)]  # type: ignore[arg-type]
             total = sum(spent)
             if total > 0:
                 shares = [s / total for s in spent]

@@ -6,11 +6,12 @@ back when a change did not help, and never move on an unknown figure."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dataloader_exporter.core import bands
 from dataloader_exporter.core.tuner import (
     MAX_TRIALS,
+    UNSEEN_EPOCHS,
     Budget,
     Decision,
     Epoch,
@@ -224,3 +225,20 @@ def test_auto_is_a_value_for_the_tunable_settings_only() -> None:
         else:
             raise AssertionError(bad)
     assert format_settings("train", {"num_workers": AUTO}) == "train.num_workers=auto"
+
+
+def test_unknown_worker_shares_are_waited_for_then_it_settles() -> None:
+    budget = Budget(cores=4, memory_room=8 * GiB, shm_room=8 * GiB)
+    tuner = Tuner(Setting(0, 2))
+    first = tuner.observe(Epoch(Setting(0, 2), 100.0, 0.6, worker_bytes=GiB // 4,
+                                batch_bytes=1 << 20), budget)
+    assert first is not None and first.new == 1
+    blind = Epoch(Setting(1, 2), 180.0, 0.4, worker_bytes=GiB // 4, batch_bytes=1 << 20)
+    assert tuner.observe(blind, budget) is None and not tuner.stable  # kept: 180 > 105
+    seen = replace(blind, running=0.95, waiting_cpu=0.02)
+    grown = tuner.observe(seen, budget)
+    assert grown is not None and (grown.old, grown.new) == (1, 2)
+    never = Tuner(Setting(1, 2))
+    for _ in range(UNSEEN_EPOCHS):
+        assert never.observe(blind, budget) is None and not never.stable
+    assert never.observe(blind, budget) is None and never.stable

@@ -331,3 +331,25 @@ def test_which_samplers_let_a_new_pool_keep_the_order() -> None:
     assert "EagerSampler" in (tuning._order_bound(eager, 0) or "")
     assert tuning._order_bound(torch.utils.data.DataLoader(
         data, batch_size=None, sampler=EagerSampler(40), num_workers=1), 1) is None
+
+
+def test_the_first_epoch_with_workers_has_their_shares_with_no_reader(
+        registry: CollectorRegistry) -> None:
+    """No scrape and no snapshot writer: the tuner samples the workers itself (at an
+    epoch's first batch and at its end), and the epoch that started the first worker
+    has their running and waiting shares (baseline 0), so a larger machine goes on to
+    2 workers and more."""
+    loader = instrument.DataLoader(BurnDataset(160, cpu=0.01), batch_size=8, name="shares",
+                                   registry=registry, tune=("num_workers",))
+    epochs(loader, 1)
+    tuning_ = loader._dle.tuning
+    assert tuning_ is not None
+    seen: list[Any] = []
+    observe = tuning_.tuner.observe
+    tuning_.tuner.observe = lambda e, b: (seen.append(e), observe(e, b))[1]  # type: ignore[method-assign]
+    epochs(loader, 1)  # judges the epoch without workers: one is started
+    iter(loader)  # judges the epoch with it
+    assert [e.setting.workers for e in seen] == [0, 1]
+    assert seen[0].running is None  # no workers: no shares
+    assert seen[1].running is not None and seen[1].running > 0.5, seen[1]
+    assert seen[1].waiting_cpu is not None
