@@ -3,9 +3,10 @@
 A real training loop on the CPU over a synthetic dataset whose samples cost real CPU
 work (rendering and filtering a noisy image). First a starved configuration
 (num_workers=0, no persistent workers), then the settings the doctor recommends for it,
-both instrumented, while /metrics is served on 127.0.0.1. It ends with a side-by-side
-table. The main process uses one torch thread, as DataLoader workers do, so the two runs
-share the machine's cores the same way.
+then a loader that tunes itself (``tune=True``, issue 22) from num_workers=0, all
+instrumented, while /metrics is served on 127.0.0.1. It ends with a side-by-side table. The
+main process uses one torch thread, as DataLoader workers do, so the runs share the
+machine's cores the same way.
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.diagnosis.doctor import Diagnosis, diagnose
 from dataloader_exporter.diagnosis.machine import local_machine
 from dataloader_exporter.diagnosis.signals import Scrape, Window, loaders
+from dataloader_exporter.instrument.env import current_rank
+from dataloader_exporter.instrument.tuning import MIN_BATCHES
 
 BATCH = 32
+UNSETTLED = 24  # epochs after which a tuner that has not settled is measured as it is
 WORK = 8  # filter passes per sample: about 1.2 ms of CPU, close to a step's cost per sample
 
 
@@ -69,12 +74,13 @@ def train_step(net: nn.Module, opt: torch.optim.Optimizer, loader: Any,
 @dataclass
 class Result:
     name: str
-    settings: dict[str, Any]
-    samples_per_second: float
+    settings: dict[str, Any]  # the settings its measured epochs ran with
+    samples_per_second: float  # over its measured epochs, each from iter() to its last step
     epoch_seconds: float
     first_batch_seconds: float
     stall_share: float | None
     diagnosis: Diagnosis
+    measured: str  # which epochs the figures are over
 
 
 def _progress(line: str, final: bool = False) -> None:
@@ -84,36 +90,74 @@ def _progress(line: str, final: bool = False) -> None:
         print(line, flush=True)
 
 
-def run_phase(name: str, settings: dict[str, Any], seconds: float, samples: int) -> Result:
-    """Trains whole epochs until `seconds` have passed (at least two epochs)."""
+def _stable(registry: Any, name: str) -> bool:
+    """Whether the loader's tuner has settled (read after iter(), where it decides)."""
+    return registry.get_sample_value(cat.TUNER_STABLE.name,
+                                     {"loader": name, "rank": current_rank()}) == 1.0
+
+
+def run_phase(name: str, settings: dict[str, Any], seconds: float, samples: int,
+              tune: bool = False) -> Result:
+    """Trains whole epochs until `seconds` have passed and two measured epochs are done.
+
+    A tuned loader's figures are over the epochs after its tuner settled (it changes
+    settings only at iter()), so it may run past `seconds`."""
     registry = instrument.default_registry()
     # Generic like torch's DataLoader (mypy checks this line in `make typecheck`).
     loader: instrument.DataLoader[tuple[torch.Tensor, int]] = instrument.DataLoader(
-        NoisyImages(samples), batch_size=BATCH, shuffle=True, name=name, **settings)
+        NoisyImages(samples), batch_size=BATCH, shuffle=True, name=name, tune=tune,
+        **settings)
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    before = Scrape.parse(generate_latest(registry).decode())
-    start = time.perf_counter()
-    epochs, seen, last_print = 0, 0, 0.0
-    while epochs < 2 or time.perf_counter() - start < seconds:
-        for batch in loader:
+    begin = time.perf_counter()
+    before: Scrape | None = None  # at the first measured epoch's start
+    walls: list[float] = []  # per epoch: iter() to its last step
+    counts: list[int] = []
+    first = 0  # the first measured epoch
+    last_print = 0.0
+    scrape = Scrape.parse(generate_latest(registry).decode())  # at the next epoch's start
+    while before is None or len(walls) - first < 2 or time.perf_counter() - begin < seconds:
+        if before is None and walls:
+            if len(walls) == UNSETTLED:  # never seen here: measure the last epoch
+                before, first = scrape, len(walls) - 1
+                break
+            scrape = Scrape.parse(generate_latest(registry).decode())
+        start = time.perf_counter()
+        epoch = iter(loader)  # where the tuner changes the settings, or settles
+        if before is None and (not tune or _stable(registry, name)):
+            before, first = scrape, len(walls)
+        seen = 0
+        for batch in epoch:
             loss = train_step(net, opt, loader, batch)
             seen += len(batch[1])
             now = time.perf_counter()
             if now - last_print > 0.5:
                 last_print = now
-                _progress(f"[{name}] epoch {epochs + 1}: {seen / (now - start):6.0f} samples/s, "
+                rate = (sum(counts) + seen) / (now - begin)
+                _progress(f"[{name}] epoch {len(walls) + 1}: {rate:6.0f} samples/s, "
                           f"loss {loss.item():.3f}")
-        epochs += 1
-    wall = time.perf_counter() - start
+        walls.append(time.perf_counter() - start)
+        counts.append(seen)
+    assert before is not None
     after = Scrape.parse(generate_latest(registry).decode())
     window = Window.between(before, after)
     sig = next(s for s in loaders(window) if s.loader == name)
     diag = diagnose(sig, local_machine("."))
-    _progress(f"[{name}] {epochs} epochs, {seen / wall:.0f} samples/s", final=True)
-    del loader  # shut persistent workers down before the next phase
-    return Result(name, settings, seen / wall, wall / epochs, sig.first_batch_mean or 0.0,
-                  sig.stall_share, diag)
+    n, wall = len(walls) - first, sum(walls[first:])
+    rate = sum(counts[first:]) / wall
+    measured = (f"all {n} epochs" if not tune else
+                f"last {n} of {len(walls)} epochs, settled" if _stable(registry, name) else
+                f"last {n} of {len(walls)} epochs, still tuning")
+    used = settings
+    if tune:  # what its measured epochs ran with
+        used = {"num_workers": loader.num_workers}
+        if loader.num_workers:
+            used["prefetch_factor"] = loader.prefetch_factor
+    _progress(f"[{name}] {len(walls)} epochs, {rate:.0f} samples/s over the {measured}",
+              final=True)
+    del loader, epoch  # shut persistent workers down before the next phase
+    return Result(name, used, rate, wall / n, sig.first_batch_mean or 0.0,
+                  sig.stall_share, diag, measured)
 
 
 def recommended(diag: Diagnosis) -> dict[str, Any]:
@@ -137,6 +181,7 @@ def table(results: list[Result]) -> str:
             ("input stall share", *(f"{r.stall_share:.0%}" if r.stall_share is not None
                                     else "-" for r in results)),
             ("samples/s", *(f"{r.samples_per_second:.0f}" for r in results)),
+            ("measured over", *(r.measured for r in results)),
             ("epoch time", *(f"{r.epoch_seconds:.2f} s" for r in results)),
             ("time to first batch", *(f"{r.first_batch_seconds * 1000:.0f} ms"
                                       for r in results)),
@@ -147,23 +192,28 @@ def table(results: list[Result]) -> str:
 
 
 DESCRIPTION = ("A starved and a tuned CPU training run, side by side, with the doctor's "
-               "advice applied between them (needs the torch extra).")
+               "advice applied between them, and a third that tunes itself (tune=True) "
+               "(needs the torch extra).")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=60.0,
-                   help="seconds of training in all, split between the two runs (default 60)")
+                   help="seconds of training in all, split between the three runs (default 60; "
+                        "the self-tuning run goes on until two epochs after it settles)")
     p.add_argument("--port", type=int, default=9478,
                    help="serve /metrics on 127.0.0.1:PORT meanwhile (0: any free port)")
-    p.add_argument("--samples", type=int, default=1024, help="samples per epoch")
+    p.add_argument("--samples", type=int, default=1024,
+                   help=f"samples per epoch (at least {MIN_BATCHES * BATCH}: the tuner "
+                        f"judges epochs of {MIN_BATCHES} batches or more)")
     p.add_argument("--keep-serving", action="store_true",
                    help="keep serving /metrics after the runs, until Ctrl-C")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.duration <= 0 or args.samples < BATCH or not 0 <= args.port <= 65535:
+    if (args.duration <= 0 or args.samples < MIN_BATCHES * BATCH
+            or not 0 <= args.port <= 65535):
         print("dataloader-exporter demo: --duration must be positive, --samples at least "
-              f"{BATCH}, --port 0-65535", file=sys.stderr)
+              f"{MIN_BATCHES * BATCH}, --port 0-65535", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     try:
@@ -174,18 +224,24 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"serving /metrics at {server.url}/metrics (point a Prometheus or "
           f"`dataloader-exporter top --url {server.url}/metrics` at it)", flush=True)
-    half = args.duration / 2
-    starved = run_phase("starved", {"num_workers": 0}, half, args.samples)
+    third = args.duration / 3
+    starved = run_phase("starved", {"num_workers": 0}, third, args.samples)
     print("\ndoctor on the starved run:")
     for f in starved.diagnosis.findings:
         print(f"  ! {f.message}")
     for r in starved.diagnosis.recommendations:
         print(f"  {r.setting}={r.value}: {r.why}")
-    tuned = run_phase("tuned", recommended(starved.diagnosis), half, args.samples)
+    tuned = run_phase("tuned", recommended(starved.diagnosis), third, args.samples)
+    print("\nauto: from num_workers=0, the loader tunes itself between epochs (tune=True)",
+          flush=True)
+    auto = run_phase("auto", {"num_workers": 0}, third, args.samples, tune=True)
     print()
-    print(table([starved, tuned]))
+    print(table([starved, tuned, auto]))
     speedup = tuned.samples_per_second / starved.samples_per_second
     print(f"\nspeed-up: {speedup:.2f}x samples/s")
+    print(f"auto: {auto.samples_per_second / starved.samples_per_second:.2f}x the starved "
+          f"run's samples/s, {auto.samples_per_second / tuned.samples_per_second:.2f}x the "
+          f"doctor's settings'")
     if args.keep_serving:
         print(f"still serving {server.url}/metrics; Ctrl-C to stop", flush=True)
         try:

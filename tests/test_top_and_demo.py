@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
+from dataloader_exporter.core import advisor
 from dataloader_exporter.diagnosis import top
 from dataloader_exporter.diagnosis.signals import Scrape, Window, loaders
 
@@ -90,18 +91,37 @@ def test_top_draws_in_a_terminal_and_quits_cleanly(
         os.close(leader)
 
 
-def test_the_demo_runs_both_configurations_and_reports_a_speed_up() -> None:
+def _row(out: str, label: str) -> list[str]:
+    """A row of the demo's table, one cell a column (cells are 2+ spaces apart)."""
+    [line] = [line for line in out.splitlines() if line.startswith(label + "  ")]
+    return re.split(r"\s{2,}", line.strip())[1:]
+
+
+def test_the_demo_runs_three_configurations_and_the_auto_one_settles_on_a_worker() -> None:
+    """Starved, the doctor's settings, and tune=True from num_workers=0: the tuner gives
+    the loop workers within its budget (1 on 2 cores without CUDA) and keeps them; timing
+    asserts allow for a loaded machine (the runs are seconds apart)."""
     result = subprocess.run([sys.executable, "-m", "dataloader_exporter", "demo",
                              "--duration", "10", "--port", "0", "--samples", "256"],
                             capture_output=True, text=True, timeout=180, cwd=REPO)
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    for row in ("input stall share", "samples/s", "epoch time", "time to first batch",
-                "doctor's verdict"):
+    for row in ("input stall share", "samples/s", "measured over", "epoch time",
+                "time to first batch", "doctor's verdict"):
         assert row in out
+    assert re.search(r"^\s+starved\s+tuned\s+auto\s*$", out, re.MULTILINE), out
     assert "num_workers=0" in out and "input-bound" in out
     speedup = float(re.search(r"speed-up: ([\d.]+)x", out).group(1))  # type: ignore[union-attr]
     assert speedup > 1.0, out
+    starved, _, auto = _row(out, "settings")
+    budget = advisor.worker_cores(advisor.local_cpu(), 1, False)
+    workers = int(re.match(r"num_workers=(\d+)", auto).group(1))  # type: ignore[union-attr]
+    assert starved == "num_workers=0" and 1 <= workers <= budget, out
+    assert "dataloader 'auto': num_workers 0 -> 1: " in result.stderr, result.stderr
+    assert "dataloader 'auto': the tuner is stable at" in result.stderr, result.stderr
+    assert _row(out, "measured over")[2].endswith("epochs, settled"), out
+    rates = [float(r) for r in _row(out, "samples/s")]
+    assert rates[2] > 0.9 * rates[0], out  # at least the starved rate, within noise
 
 
 def test_top_without_a_terminal_exits_2_with_one_line_pointing_at_the_doctor() -> None:
