@@ -3,8 +3,8 @@
 Read it top down: the first row answers "starving or not", the next rows say where the
 time goes (waiting for batches, the step, the host-to-device copy, epoch starts), then
 why the workers are slow (running, waiting for a CPU or blocked; their memory and reads)
-and why they fail, and the last rows show the resources a loader runs out of (/dev/shm,
-host memory).
+and why they fail, what the loader tuner changed where it is on, and the last rows show
+the resources a loader runs out of (/dev/shm, host memory).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from .promql import (
     straggler_excess,
     wait_for_ranks,
 )
+from .tuner import TUNER
 from .workers import WHY_WORKERS
 
 W = RATE_INTERVAL
@@ -288,5 +289,6 @@ OVERVIEW = Board(
         Variable("loader", "Loader", sel(cat.BATCHES, HOST)),
         Variable("rank", "Rank", sel(cat.BATCHES, HOST + ',loader=~"$loader"')),
     ),
-    rows=(headline, stall, throughput, transfer, workers, WHY_WORKERS, memory, exporter_health),
+    rows=(headline, stall, throughput, transfer, workers, WHY_WORKERS, TUNER, memory,
+          exporter_health),
 )

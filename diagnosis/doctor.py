@@ -8,7 +8,9 @@ and none is drawn from a figure that is missing. Across ranks (diagnosis.jobs) t
 stall is the slowest input's; an input straggler gets the advice, and the ranks that
 only wait for it get none about their own loader. Why the input is slow, and the number
 of workers that follows, comes from where the workers' time goes (diagnosis.why); why
-workers failed, from the causes the trainer observed (diagnosis.failures).
+workers failed, from the causes the trainer observed (diagnosis.failures). A loader the
+loader tuner still tunes gets no advice on num_workers or prefetch_factor: the tuner sets
+them (diagnosis.tuned).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from dataloader_exporter.core import advisor, bands
-from dataloader_exporter.diagnosis import failures, why
+from dataloader_exporter.diagnosis import failures, tuned, why
 from dataloader_exporter.diagnosis.jobs import Job, RankTimes, points, rank_times
 from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.signals import LoaderSignals
@@ -62,6 +64,7 @@ class Diagnosis:
     unknowns: list[str] = field(default_factory=list)  # what could not be judged, and why
     workers: why.WorkerView = field(default_factory=why.WorkerView)
     failures: list[dict[str, object]] = field(default_factory=list)  # causes seen, fixes
+    tuner: tuned.TunerView | None = None  # None: the loader tuner does not tune it
 
     @property
     def healthy(self) -> bool:
@@ -110,6 +113,7 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1,
         "step_per_batch_seconds": times.step if times else None,
         "waiting_for_other_ranks_seconds_per_batch": waiting})
     cfg = _config(s)
+    d.tuner = tuned.view(s.tuner, s.config)
     d.workers = why.view(s, machine, d.verdict in STARVED)
     if d.workers.bottleneck == why.UNKNOWN:
         d.unknowns.append(why.unknown(s.rank, cfg.workers))
@@ -242,7 +246,6 @@ def _config(s: LoaderSignals) -> _Config:
 
 def _recommend(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
                local_ranks: int) -> None:
-    starved = d.verdict in STARVED
     cuda = s.gpu_utilization is not None
     rec = d.recommendations
     if s.batches <= 0:
@@ -256,21 +259,10 @@ def _recommend(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
         d.unknowns.append("no GPU metrics: the advice assumes the loop trains on the CPU and "
                           "keeps a core for it (run the sidecar with NVML, or dcgm-exporter)")
     workers, prefetch = cfg.workers, cfg.prefetch
-    advice = why.advise(d.workers, s, workers, starved, machine, local_ranks, cuda)
-    rec_workers = advice.workers
-    if rec_workers > workers and any(f.kind in RAN_OUT for f in d.findings):
-        rec_workers = workers  # memory or /dev/shm already ran out at this count
-    if advice.unknown:
-        d.unknowns.append(advice.unknown)
-    if rec_workers != workers:
-        rec.append(Recommendation("num_workers", str(rec_workers), str(workers), advice.why))
-    eff_workers = max(workers, rec_workers)
-    memory_risk = any(f.kind in MEMORY_FINDINGS for f in d.findings)
-    want_prefetch, reason, unknown = why.prefetch(d.workers, s, starved, workers, eff_workers,
-                                                  prefetch, memory_risk)
-    d.unknowns += [unknown] if unknown else []
-    if eff_workers and reason:
-        rec.append(Recommendation("prefetch_factor", str(want_prefetch), str(prefetch), reason))
+    eff_workers, want_prefetch = workers, prefetch  # the tuner's, while it tries them
+    if d.tuner is None or not d.tuner.trying:
+        eff_workers, want_prefetch = _workers_and_queue(d, s, workers, prefetch, machine,
+                                                        local_ranks, cuda)
     if eff_workers and cfg.persistent is not True:
         rec.append(Recommendation("persistent_workers", "True", str(cfg.persistent), (
             "workers are started again at every epoch otherwise, which stalls its first batch")))
@@ -288,3 +280,27 @@ def _recommend(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
                                   gib(shm_total) if shm_total else "unknown", (
             f"workers hand batches over through /dev/shm and about {gib(needed)} are in "
             "flight; Kubernetes: a memory-backed emptyDir at /dev/shm")))
+
+
+def _workers_and_queue(d: Diagnosis, s: LoaderSignals, workers: int, prefetch: int,
+                       machine: Machine, local_ranks: int, cuda: bool) -> tuple[int, int]:
+    """Advice on num_workers and prefetch_factor; returns the workers and queue depth the
+    rest of the advice assumes."""
+    starved = d.verdict in STARVED
+    rec = d.recommendations
+    advice = why.advise(d.workers, s, workers, starved, machine, local_ranks, cuda)
+    rec_workers = advice.workers
+    if rec_workers > workers and any(f.kind in RAN_OUT for f in d.findings):
+        rec_workers = workers  # memory or /dev/shm already ran out at this count
+    if advice.unknown:
+        d.unknowns.append(advice.unknown)
+    if rec_workers != workers:
+        rec.append(Recommendation("num_workers", str(rec_workers), str(workers), advice.why))
+    eff_workers = max(workers, rec_workers)
+    memory_risk = any(f.kind in MEMORY_FINDINGS for f in d.findings)
+    want_prefetch, reason, unknown = why.prefetch(d.workers, s, starved, workers, eff_workers,
+                                                  prefetch, memory_risk)
+    d.unknowns += [unknown] if unknown else []
+    if eff_workers and reason:
+        rec.append(Recommendation("prefetch_factor", str(want_prefetch), str(prefetch), reason))
+    return eff_workers, want_prefetch

@@ -19,11 +19,13 @@ from dataloader_exporter.diagnosis.signals import Labels, Series, Window
 # Counters and histogram parts read as increases; everything else as latest values.
 _INCREASE = [cat.TIME, cat.STEP, cat.BATCHES, cat.SAMPLES, cat.EPOCHS, cat.TRANSFER_BYTES,
              cat.WORKER_CPU, cat.WORKER_TIME, cat.WORKER_READ, cat.WORKER_MAJOR_FAULTS]
+# (dataloader_info: its newest label set, _newest_info.)
 _LATEST = [cat.FIRST_BATCH, cat.TIME, cat.WORKERS_CONFIGURED, cat.WORKERS_ACTIVE,
-           cat.WORKERS_LOST, cat.FAILURES, cat.BATCH_BYTES, cat.INFO, cat.SHM_SIZE,
+           cat.WORKERS_LOST, cat.FAILURES, cat.BATCH_BYTES, cat.SHM_SIZE,
            cat.SHM_USED, cat.SHM_FREE, cat.HOST_MEMORY_TOTAL, cat.HOST_MEMORY_AVAILABLE,
            cat.HOST_SWAP_USED, cat.CGROUP_MEMORY_LIMIT, cat.CGROUP_MEMORY_USAGE,
-           cat.GPU_UTILIZATION, cat.WORKER_MEMORY, cat.WORKER_MAX_RSS]
+           cat.GPU_UTILIZATION, cat.WORKER_MEMORY, cat.WORKER_MAX_RSS, cat.TUNER_STABLE,
+           cat.TUNER_CHANGES]
 
 
 def _api(base: str, expr: str, timeout: float) -> list[dict[str, Any]]:
@@ -72,6 +74,7 @@ def window(base: str, range_seconds: float, match: str = "", timeout: float = 10
             expr = f"{agg} by ({', '.join(labels)}) ({last})" if labels else f"{agg}({last})"
             for lab, v in _query(base, expr, timeout):
                 latest[(name, lab)] = v
+    latest.update(_newest_info(base, sel, rng, timeout))
     for lab, v in _query(base, f"sum(delta({cat.HOST_SWAP_USED.name}{{{sel}}}[{rng}]))",
                          timeout):
         change[(cat.HOST_SWAP_USED.name, lab)] = v
@@ -83,6 +86,22 @@ def window(base: str, range_seconds: float, match: str = "", timeout: float = 10
     return Window(min(range_seconds, seconds) if seconds else range_seconds, increase, latest,
                   change, local_ranks_of(_query(
                       base, f"count by (instance, rank) ({_batches(sel, rng)})", timeout)))
+
+
+def _newest_info(base: str, sel: str, rng: str, timeout: float) -> Series:
+    """dataloader_info per (loader, rank): the label set sampled last in the range. The
+    trainer relabels it when a setting changes (the loader tuner's, or the GPU learned at
+    the first to_device), and last_over_time would keep every label set the range saw."""
+    newest: dict[tuple[str, str], tuple[float, Labels]] = {}
+    for item in _api(base, f"{cat.INFO.name}{{{sel}}}[{rng}]", timeout):
+        values = item.get("values") or []
+        if not values:
+            continue
+        labels = {k: v for k, v in item["metric"].items() if k in cat.INFO_LABELS}
+        key, at = (labels.get("loader", ""), labels.get("rank", "")), float(values[-1][0])
+        if key not in newest or at > newest[key][0]:
+            newest[key] = (at, tuple(sorted(labels.items())))
+    return {(cat.INFO.name, labels): 1.0 for _, labels in newest.values()}
 
 
 def _batches(sel: str, rng: str) -> str:

@@ -6,7 +6,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from dataloader_exporter.core.env import ENV_SETTINGS
-from dataloader_exporter.core.settings import SETTINGS, SettingsError, format_settings
+from dataloader_exporter.core.settings import (
+    AUTO,
+    SETTINGS,
+    TUNABLE,
+    SettingsError,
+    format_settings,
+)
+from dataloader_exporter.diagnosis import tuned
 from dataloader_exporter.diagnosis.doctor import VERDICTS, Diagnosis, diagnose, verdict
 from dataloader_exporter.diagnosis.jobs import Job, jobs
 from dataloader_exporter.diagnosis.machine import Machine
@@ -74,6 +81,7 @@ def _rank_lines(d: Diagnosis, multi: bool) -> list[str]:
     if multi and step is not None and wait is not None:
         lines.append(f"  step {ms(step)} a batch, of which about {ms(wait)} waiting for "
                      "other ranks (estimated: its step minus the fastest rank's)")
+    lines += [tuned.line(d.tuner)] if d.tuner is not None else []
     lines += _worker_lines(d.workers)
     lines += [f"  ! {x.message}" for x in d.findings]
     lines += [f"  ? {x}" for x in d.unknowns]
@@ -133,8 +141,11 @@ def env_line(report: Report) -> tuple[str, list[str]]:
     only (not --shm-size or non_blocking, which are not the loader's), and only changes.
     The ranks of a loader share one line: the most workers any rank was advised, a flag
     any rank was advised to set, and the deepest queue, or the shallowest when a rank was
-    told to shrink it (shared memory comes first)."""
+    told to shrink it (shared memory comes first). A loader the loader tuner tunes (on any
+    rank) keeps ``auto`` for num_workers and prefetch_factor: the line replaces the one
+    that asked for the tuner, and the metrics do not say which of the two it sets."""
     advice: dict[str, dict[str, list[int | bool]]] = {}
+    tuned_loaders = {d.loader for d in report.diagnoses if d.tuner is not None}
     lower: set[tuple[str, str]] = set()
     for d in report.diagnoses:
         for r in d.recommendations:
@@ -146,9 +157,13 @@ def env_line(report: Report) -> tuple[str, list[str]]:
             if kind is int and r.current.isdigit() and value < int(r.current):
                 lower.add((d.loader, r.setting))
     items, skipped = [], []
-    for loader, settings in sorted(advice.items()):
-        chosen = {name: (min(values) if (loader, name) in lower else max(values))
-                  for name, values in settings.items()}
+    for loader in sorted(set(advice) | tuned_loaders):
+        settings = advice.get(loader, {})
+        chosen: dict[str, object] = {
+            name: (min(values) if (loader, name) in lower else max(values))
+            for name, values in settings.items()}
+        if loader in tuned_loaders:
+            chosen.update(dict.fromkeys(TUNABLE, AUTO))
         try:
             items.append(format_settings(loader, chosen))
         except SettingsError:

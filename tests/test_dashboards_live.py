@@ -26,25 +26,36 @@ from dataloader_exporter.dashboards.render import render
 
 TARGET = "dashboards-live"
 # A trainer that keeps training until told to stop (or 600 s pass): 2 workers, epochs of
-# 8 batches, to_device onto the meta device so transfer metrics exist, a 5 ms "step".
-TRAINER = """
+# 8 batches, to_device onto the meta device so transfer metrics exist, a 5 ms "step". After
+# each of its epochs, one of a second loader that the loader tuner tunes: it starts without
+# workers and its loop only waits for samples, so the tuner adds a worker (then keeps it or
+# goes back) and is stable within a few epochs.
+TUNED = "tuned"
+TRAINER = f"""
 import os, sys, time
 from dataloader_exporter import instrument
 from torch_helpers import SleepDataset
 metrics_dir, stop = sys.argv[1], sys.argv[2]
 loader = instrument.DataLoader(SleepDataset(32, 0.002), batch_size=4, num_workers=2,
                                persistent_workers=True, name="train", metrics_dir=metrics_dir)
+tuned = instrument.DataLoader(SleepDataset(64, 0.002), batch_size=4, tune=True,
+                              name="{TUNED}", metrics_dir=metrics_dir)
 end = time.monotonic() + 600  # a safety net: the fixture stops it
 while time.monotonic() < end and not os.path.exists(stop):
     for x, _ in loader:
         loader.to_device(x, "meta")
         time.sleep(0.005)
+    for _ in tuned:
+        pass
 """
 CORE_PANELS = {"Input stall share", "Fetch wait per batch", "Throughput: samples per second",
                "Throughput: batches per second", "Workers active against configured",
                "/dev/shm used against size",
                # From /proc: Linux, as the trainer here runs (2 workers).
                "Worker time by state", "Worker memory"}
+# Panels of tuned loaders only: data for the tuned loader, none for "train".
+TUNER_PANELS = {"Loader tuner stable", "Loader tuner changes by setting and reason",
+                "Tuned loaders: num_workers and changes"}
 
 
 @dataclass
@@ -121,6 +132,23 @@ def test_every_dashboard_query_runs_and_the_core_panels_show_data(live: Live) ->
     assert checked > 40
 
 
+def test_the_tuner_panels_show_the_tuned_loader_and_nothing_for_one_that_is_not_tuned(
+        live: Live) -> None:
+    """With $loader the tuned loader every query of the tuner's panels has data: the stable
+    gauge from its first epoch, its changes and num_workers once the tuner made its first
+    change. With $loader "train", which is not tuned, none has: absent, not 0."""
+    tuned = Live(live.prometheus, {**live.values, "loader": TUNED}, live.address)
+    board = next(b for b in build.BOARDS if b.uid == "dataloader-overview")
+    shown = [p for p in render(board)["panels"] if p["title"] in TUNER_PANELS]
+    assert {p["title"] for p in shown} == TUNER_PANELS
+    for panel in shown:
+        for target in panel["targets"]:
+            result = eventually(tuned, tuned.expand(target["expr"]), timeout=40)
+            assert finite(result), (panel["title"], target["legendFormat"], result)
+            assert {r["metric"].get("loader") for r in result} == {TUNED}, result
+            assert live.prometheus.query(live.expand(target["expr"])) == [], panel["title"]
+
+
 def test_every_variable_query_runs_and_the_overview_ones_list_this_run(live: Live) -> None:
     for board in build.BOARDS:
         for v in render(board)["templating"]["list"]:
@@ -176,11 +204,13 @@ def test_the_recording_rules_run_in_prometheus_and_agree_with_the_rank_stall_sha
         for name in recording.NAMES:
             result = server.query(f'{name}{{job="dataloader-exporter"}}')
             assert bool(result) is (name != recording.GPU), (name, result)
-        job = scalar(server.query(f'{recording.INPUT_STALL}{{loader="train"}}'))
+        train = 'loader="train"'
+        job = scalar(server.query(f'{recording.INPUT_STALL}{{{train}}}'))
         rank = scalar(server.query(
-            f'sum by (job, loader, rank) (rate({cat.TIME.name}_sum{{phase="fetch"}}[5m])) / '
-            f'(sum by (job, loader, rank) (rate({cat.TIME.name}_sum{{phase="fetch"}}[5m])) + '
-            f'sum by (job, loader, rank) (rate({cat.STEP.name}_sum[5m])))'))
+            f'sum by (job, loader, rank) (rate({cat.TIME.name}_sum{{{train},phase="fetch"}}'
+            f'[5m])) / (sum by (job, loader, rank) (rate({cat.TIME.name}_sum{{{train},'
+            f'phase="fetch"}}[5m])) + sum by (job, loader, rank) (rate({cat.STEP.name}_sum'
+            f'{{{train}}}[5m])))'))
         assert 0 < job < 1 and abs(job - rank) < 0.05, (job, rank)
         jobs = next(b for b in build.BOARDS if b.uid == "dataloader-jobs")
         shown = Live(server, live.values, live.address)

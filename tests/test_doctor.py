@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry
 from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.core.env import ENV_SETTINGS
 from dataloader_exporter.core.facts.storage import storage_kind
 from dataloader_exporter.diagnosis.doctor import diagnose
 from dataloader_exporter.diagnosis.machine import Machine
@@ -29,7 +31,7 @@ INTERVAL = 1.5
 TOP_KEYS = {"healthy", "machine", "jobs", "loaders", "source", "whole_run"}
 JOB_KEYS = {"loader", "ranks", "input_stall_share", "stragglers"}
 LOADER_KEYS = {"loader", "rank", "verdict", "figures", "findings", "recommendations", "healthy",
-               "unknowns", "workers", "failures"}
+               "unknowns", "workers", "failures", "tuner"}
 
 
 def doctor(url: str, train: Callable[[], None], *extra: str) -> tuple[int, dict[str, Any]]:
@@ -210,6 +212,95 @@ def test_the_doctor_reads_a_time_range_from_prometheus(
     workers = d["workers"]
     assert workers["bottleneck"] == "blocked", workers
     assert workers["blocked_share"] > 0.5 and workers["rss_bytes"] > 0, workers
+
+
+def tuner_of(reg: CollectorRegistry, name: str) -> tuple[float | None, dict[str, float]]:
+    """A loader's tuner as its registry exports it: the stable gauge (None: not tuned)
+    and its changes by "setting reason"."""
+    stable, changes = None, {}
+    for family in reg.collect():
+        for s in family.samples:
+            if s.labels.get("loader") != name:
+                continue
+            if s.name == cat.TUNER_STABLE.name:
+                stable = s.value
+            elif s.name == cat.TUNER_CHANGES.name:
+                changes[f"{s.labels['setting']} {s.labels['reason']}"] = s.value
+    return stable, changes
+
+
+def tune_until_stable(loader: Any, reg: CollectorRegistry, timeout: float = 60) -> None:
+    """Epochs of a tuned loader until its tuner is stable (a few: it stops after
+    core.tuner.MAX_TRIALS at the most)."""
+    end = time.monotonic() + timeout
+    while tuner_of(reg, loader._dle.name)[0] != 1 and time.monotonic() < end:
+        for _ in loader:
+            pass
+    assert tuner_of(reg, loader._dle.name)[0] == 1
+
+
+def expected_tuner(loader: Any, changes: dict[str, float]) -> dict[str, Any]:
+    """The report's `tuner` for a stable tuned loader: the settings it runs with now."""
+    return {"state": "stable", "num_workers": loader.num_workers,
+            "prefetch_factor": loader.prefetch_factor if loader.num_workers else None,
+            "changes": sum(changes.values()), "held": [],
+            "by_reason": [{"setting": k.split()[0], "reason": k.split()[1], "count": v}
+                          for k, v in sorted(changes.items())]}
+
+
+def test_a_tuned_loader_is_reported_with_the_settings_and_changes_the_tuner_made(
+        served: tuple[CollectorRegistry, str]) -> None:
+    """A real tuned loader (it starts without workers and waits for its samples: the
+    tuner adds a worker) read by the real CLI: stable, its settings now, its changes as
+    the registry counts them, and `auto` kept in the env line."""
+    reg, url = served
+    loader = instrument.DataLoader(SleepDataset(64, 0.002), batch_size=4, tune=True,
+                                   name="tuned", registry=reg)
+    untuned = instrument.DataLoader(SleepDataset(64, 0.002), batch_size=4, name="untuned",
+                                    registry=reg)
+    tune_until_stable(loader, reg)
+    train_for(untuned, 0.2)
+    _, report = doctor(url, lambda: train_for(loader, INTERVAL + 1.0))
+    _, changes = tuner_of(reg, "tuned")
+    assert changes, "the tuner made no change: a starved loader without workers gets one"
+    d = only(report, "tuned")
+    assert d["tuner"] == expected_tuner(loader, changes)
+    assert only(report, "untuned")["tuner"] is None
+    result = subprocess.run([sys.executable, "-m", "dataloader_exporter", "doctor", "--url",
+                             url, "--interval", "0.2", "--format", "env"],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    [line] = result.stdout.splitlines()
+    assert line.startswith(f"{ENV_SETTINGS}=tuned.num_workers=auto,tuned.prefetch_factor=auto")
+
+
+def test_the_doctor_reads_a_tuned_loader_from_prometheus_at_its_settings_now(
+        served: tuple[CollectorRegistry, str], prometheus: Prometheus) -> None:
+    """Through a real Prometheus: dataloader_info changes its labels when the tuner changes
+    num_workers, and the range holds every label set; the doctor takes the newest."""
+    reg, url = served
+    # Epochs of 1.6 s: each setting the tuner tries lasts over a scrape.
+    loader = instrument.DataLoader(SleepDataset(32, 0.05), batch_size=2, tune=True,
+                                   name="tuned", registry=reg)
+    prometheus.add_target("doctor-tuned", url.removeprefix("http://").removesuffix("/metrics"))
+    try:
+        train_for(loader, 0.1)  # the tuner starts with the first iter(): stable 0
+        prometheus.wait_for(f'{cat.TUNER_STABLE.name}{{test="doctor-tuned"}} == 0', timeout=30)
+        tune_until_stable(loader, reg)
+        prometheus.wait_for(f'{cat.TUNER_STABLE.name}{{test="doctor-tuned"}} == 1', timeout=30)
+        train_for(loader, 1.0)
+        result = subprocess.run(
+            [sys.executable, "-m", "dataloader_exporter", "doctor", "--prometheus",
+             prometheus.url, "--range", "60", "--match", 'test="doctor-tuned"', "--format",
+             "json"], capture_output=True, text=True, timeout=60, cwd=REPO)
+        label_sets = prometheus.query(
+            f'count(last_over_time({cat.INFO.name}{{test="doctor-tuned"}}[60s]))')
+    finally:
+        prometheus.remove_target("doctor-tuned")
+    assert result.returncode in (0, 1), result.stderr
+    _, changes = tuner_of(reg, "tuned")
+    assert changes and float(label_sets[0]["value"][1]) >= 2  # a label set before the change
+    assert only(json.loads(result.stdout), "tuned")["tuner"] == expected_tuner(loader, changes)
 
 
 def machine(storage: str = "nvme", cores: int = 8) -> Machine:

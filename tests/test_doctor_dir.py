@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 from helpers import deadline_poll, parse
 from procs import REPO, Exporter, finish
+from real_snapshots import real_snapshot
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core.env import ENV_SETTINGS
-from dataloader_exporter.diagnosis import top
+from dataloader_exporter.diagnosis import dirsource, doctor_cli, top
 from dataloader_exporter.diagnosis.machine import Machine
-from dataloader_exporter.diagnosis.report import build_report
+from dataloader_exporter.diagnosis.report import Report, build_report, env_line
 from dataloader_exporter.diagnosis.signals import (
     Labels,
     LoaderSignals,
@@ -426,3 +427,64 @@ def test_a_trainer_killed_mid_epoch_ended_abruptly_one_that_exited_did_not(
     report = as_json(doctor("--metrics-dir", str(tmp_path / "exited" / "m"), "--format",
                             "json"))
     assert not train_rank0(report)["findings"], report
+
+
+def with_tuner(text: str, loader: str, stable: float, changes: dict[tuple[str, str], int]
+               ) -> str:
+    """A snapshot file's text with the loader tuner's series for `loader` (rank 0) added
+    under their TYPE lines, as the trainer writes them for a tuned loader."""
+    lr = f'loader="{loader}",rank="0"'
+    lines = [f"{cat.TUNER_CHANGES.name}{{{lr},setting=\"{s}\",reason=\"{r}\"}} {n:.1f}"
+             for (s, r), n in changes.items()]
+    text = text.replace(f"# TYPE {cat.TUNER_CHANGES.name} counter\n",
+                        f"# TYPE {cat.TUNER_CHANGES.name} counter\n" + "".join(
+                            line + "\n" for line in lines))
+    return text.replace(f"# TYPE {cat.TUNER_STABLE.name} gauge\n",
+                        f"# TYPE {cat.TUNER_STABLE.name} gauge\n"
+                        f"{cat.TUNER_STABLE.name}{{{lr}}} {stable:.1f}\n")
+
+
+def read_dir(directory: Path) -> Report:
+    """The doctor's report on a directory, read in this process as the CLI reads it."""
+    window, source = dirsource.window(dirsource.SnapshotDir(str(directory)), 10.0)
+    return doctor_cli.build_report(window, source)
+
+
+def test_a_tuned_loaders_files_say_the_tuner_its_settings_and_changes_and_keep_auto(
+        tmp_path: Path) -> None:
+    """A real trainer's file (loader t, 2 workers, exited) with the tuner's series added:
+    the doctor reads them from the directory, says the tuner still tries (no advice on
+    the settings it sets) or is stable, and its env line keeps auto."""
+    real = real_snapshot("0", (("t", 2),), 4, None, True).decode()
+    changes = {("num_workers", "starved"): 1, ("prefetch_factor", "bursty"): 1}
+    for stable in (0.0, 1.0):
+        directory = tmp_path / f"stable{stable:g}"
+        directory.mkdir()
+        (directory / "host-1-abcd.prom").write_text(with_tuner(real, "t", stable, changes))
+        written_ago(directory, 60)
+        report = read_dir(directory)
+        [d] = report.diagnoses
+        assert d.tuner is not None and d.tuner.changes == 2
+        assert d.tuner.state == ("stable" if stable else "trying")
+        assert (d.tuner.num_workers, d.tuner.prefetch_factor) == (2, 2)
+        if not stable:
+            assert not {"num_workers", "prefetch_factor"} & {
+                r.setting for r in d.recommendations}
+        assert env_line(report)[0].startswith(
+            f"{ENV_SETTINGS}=t.num_workers=auto,t.prefetch_factor=auto")
+    # The command itself, on the one still trying.
+    text = doctor("--metrics-dir", str(tmp_path / "stable0"))
+    assert text.returncode in (0, 1) and text.stderr == "", text.stderr
+    assert ("\n  tuner: the loader tuner is still trying settings, now num_workers=2, "
+            "prefetch_factor=2; 2 changes so far (num_workers: starved 1; prefetch_factor: "
+            "bursty 1); no num_workers or prefetch_factor advice while it sets them\n"
+            ) in text.stdout, text.stdout
+    env = doctor("--metrics-dir", str(tmp_path / "stable0"), "--format", "env")
+    assert env.returncode == 0 and env.stdout.startswith(
+        f"{ENV_SETTINGS}=t.num_workers=auto,t.prefetch_factor=auto"), env
+    plain = tmp_path / "untuned"
+    plain.mkdir()
+    (plain / "host-1-abcd.prom").write_text(real)
+    written_ago(plain, 60)
+    [d] = read_dir(plain).diagnoses
+    assert d.tuner is None and "tuner:" not in read_dir(plain).text()

@@ -38,25 +38,36 @@ def exposition(k: float, *, workers: int = 2, stall: float = 0.8,
                failures: dict[str, float] | None = None, lost: float = 0.0,
                available: float = 32 * GiB, host_swap: tuple[float, float] = (0.0, 0.0),
                cgroup: tuple[float, float] | None = None, batch_bytes: float = MiB,
-               shm_size: float = GiB) -> str:
+               shm_size: float = GiB, info: bool = True, prefetch: str = "2",
+               persistent: str = "true", stable: float | None = None,
+               changes: dict[tuple[str, str], float] | None = None) -> str:
     """A snapshot after k (0 or 1) windows: counters are k times their window's increase,
     gauges their value (swap gauges move from their first to their second value).
     `states`: the workers' seconds in the window running, waiting for a CPU and blocked;
-    pss/rss/swap: summed over the live workers, as the trainer exports them."""
+    pss/rss/swap: summed over the live workers, as the trainer exports them. info: with
+    dataloader_info (its prefetch_factor and persistent_workers labels). stable: the
+    loader tuner's gauge (None: not tuned); changes: its changes so far by (setting,
+    reason), totals as the trainer exports them."""
     lines = [
         sample(cat.TIME, k * SECONDS * stall, "_sum", phase=cat.PHASE_FETCH),
         sample(cat.STEP, k * SECONDS * (1 - stall), "_sum"),
         sample(cat.BATCHES, k * 100), sample(cat.SAMPLES, k * 400),
         sample(cat.WORKERS_CONFIGURED, workers), sample(cat.WORKERS_ACTIVE, workers),
         sample(cat.WORKERS_LOST, lost), sample(cat.BATCH_BYTES, batch_bytes),
-        sample(cat.INFO, 1, num_workers=str(workers), batch_size="4", prefetch_factor="2",
-               pin_memory="true", persistent_workers="true", gpu_uuid="GPU-0"),
         f'{cat.GPU_UTILIZATION.name}{{gpu="0",gpu_uuid="GPU-0"}} 0.3',
         f"{cat.HOST_MEMORY_TOTAL.name} {64 * GiB}",
         f"{cat.HOST_MEMORY_AVAILABLE.name} {available}",
         f"{cat.HOST_SWAP_USED.name} {host_swap[int(k)]}",
         f'{cat.SHM_SIZE.name}{{path="/dev/shm"}} {shm_size}',
     ]
+    if info:
+        lines.append(sample(cat.INFO, 1, num_workers=str(workers), batch_size="4",
+                            prefetch_factor=prefetch, pin_memory="true",
+                            persistent_workers=persistent, gpu_uuid="GPU-0"))
+    if stable is not None:
+        lines.append(sample(cat.TUNER_STABLE, stable))
+    lines += [sample(cat.TUNER_CHANGES, n, setting=setting, reason=reason)
+              for (setting, reason), n in (changes or {}).items()]
     if states is not None:
         lines += [sample(cat.WORKER_TIME, k * v, state=st)
                   for st, v in zip(cat.WORKER_STATES, states, strict=True)]
@@ -339,3 +350,117 @@ def test_the_env_line_carries_fewer_workers_for_cpu_contention() -> None:
     assert for_loader(settings, "train")["num_workers"] == 2
 
 
+
+
+# --- the loader tuner ----------------------------------------------------------------------
+TRIED = {("num_workers", "starved"): 1.0, ("num_workers", "reverted"): 1.0}
+BLOCKED: dict[str, Any] = {"workers": 2, "states": (2.0, 0.0, 18.0), "pss": 600 * MiB,
+                           "persistent": "false"}  # untuned: num_workers=12, prefetch 4
+
+
+def test_a_loader_the_tuner_still_tries_gets_no_workers_or_queue_advice_but_the_rest() -> None:
+    untuned = diagnosis(**BLOCKED)
+    assert setting(untuned, "num_workers").value == "12" and untuned.tuner is None
+    d = diagnosis(**BLOCKED, stable=0, changes=TRIED)
+    t = d.tuner
+    assert t is not None and t.trying and t.state == "trying"
+    assert (t.num_workers, t.prefetch_factor, t.changes) == (2, 2, 2)
+    assert t.held == ["num_workers", "prefetch_factor"]
+    assert setting(d, "num_workers") is None and setting(d, "prefetch_factor") is None
+    assert setting(d, "persistent_workers").value == "True"  # not the tuner's: still advised
+    assert setting(d, "non_blocking") is not None
+    assert d.workers.bottleneck == why.BLOCKED  # the diagnosis itself is the same
+    assert not [u for u in d.unknowns if "memory" in u]  # nothing judged for the held advice
+
+
+def test_shm_advice_for_a_loader_the_tuner_tries_is_for_its_settings_now() -> None:
+    # 256 MiB batches x prefetch 2 x 2 workers x 1.5 = 1.5 GiB in flight, /dev/shm 256 MiB.
+    d = diagnosis(workers=2, batch_bytes=256 * MiB, shm_size=256 * MiB, stable=0)
+    assert "shm-risk" in kinds(d) and setting(d, "num_workers") is None
+    shm = setting(d, "--shm-size")
+    assert shm.value == "2g" and "about 1.50 GiB are in flight" in shm.why
+
+
+def test_a_stable_tuned_loader_says_where_it_settled_and_gets_the_doctors_advice() -> None:
+    d = diagnosis(**BLOCKED, stable=1, changes=TRIED)
+    assert d.tuner is not None and d.tuner.state == "stable" and d.tuner.held == []
+    assert setting(d, "num_workers").value == "12"  # the tuner has stopped: advice again
+    text = report(**BLOCKED, stable=1, changes=TRIED).text()
+    assert ("\n  tuner: the loader tuner is stable at num_workers=2, prefetch_factor=2, after 2 "
+            "changes (num_workers: starved 1, reverted 1); --format env keeps num_workers and "
+            "prefetch_factor auto\n") in text
+
+
+def test_the_text_says_the_tuner_still_tries_with_its_settings_now_and_its_changes() -> None:
+    text = report(**BLOCKED, stable=0, changes=TRIED).text()
+    assert ("\n  tuner: the loader tuner is still trying settings, now num_workers=2, "
+            "prefetch_factor=2; 2 changes so far (num_workers: starved 1, reverted 1); no "
+            "num_workers or prefetch_factor advice while it sets them\n") in text
+    assert "    num_workers=" not in text and "    prefetch_factor=" not in text
+    assert "    persistent_workers=True (now False)" in text
+    first = report(workers=0, prefetch="", stable=0).text()  # before its first change
+    assert ("now num_workers=0 (no prefetch_factor without workers); no change yet;"
+            in first)
+    assert "tuner:" not in report(**BLOCKED).text()  # not tuned: no line
+
+
+def test_a_tuned_loaders_settings_without_dataloader_info_are_said_unknown() -> None:
+    d = diagnosis(workers=2, info=False, stable=0)
+    assert d.tuner is not None and d.tuner.num_workers is None
+    assert d.tuner.prefetch_factor is None
+    assert ("tuner: the loader tuner is still trying settings, now num_workers and "
+            "prefetch_factor unknown (no dataloader_info in the metrics)") in report(
+        workers=2, info=False, stable=0).text()
+    unknown_queue = diagnosis(workers=2, prefetch="", stable=1)
+    assert unknown_queue.tuner is not None and unknown_queue.tuner.prefetch_factor is None
+    assert "stable at num_workers=2, prefetch_factor=unknown, without a change" in report(
+        workers=2, prefetch="", stable=1).text()
+
+
+def test_the_json_has_the_tuner_for_a_tuned_loader_and_null_otherwise() -> None:
+    data = json.loads(json.dumps(report(**BLOCKED, stable=0, changes=TRIED).as_dict()))
+    [loader] = data["loaders"]
+    assert loader["tuner"] == {
+        "state": "trying", "num_workers": 2, "prefetch_factor": 2, "changes": 2,
+        "held": ["num_workers", "prefetch_factor"],
+        "by_reason": [{"setting": "num_workers", "reason": "reverted", "count": 1},
+                      {"setting": "num_workers", "reason": "starved", "count": 1}]}
+    assert json.loads(json.dumps(report(**BLOCKED).as_dict()))["loaders"][0]["tuner"] is None
+
+
+@pytest.mark.parametrize("stable", [0, 1])
+def test_the_env_line_keeps_auto_for_a_tuned_loader_and_numbers_for_the_others(
+        stable: float) -> None:
+    tuned = exposition(1, **BLOCKED, stable=stable, changes=TRIED)
+    untuned = exposition(1, **BLOCKED).replace('loader="train"', 'loader="val"')
+    first = Scrape.parse(exposition(0, **BLOCKED, stable=stable, changes=TRIED) + exposition(
+        0, **BLOCKED).replace('loader="train"', 'loader="val"'), at=1000.0)
+    second = Scrape.parse(tuned + untuned, at=1000.0 + SECONDS)
+    r = build_report("test", MACHINE, loaders(Window.between(first, second)), 1)
+    line, skipped = env_line(r)
+    settings = parse(line.partition("=")[2])  # "auto" parses: what the doctor prints applies
+    assert skipped == [] and "train.num_workers=auto,train.prefetch_factor=auto" in line
+    train, val = for_loader(settings, "train"), for_loader(settings, "val")
+    assert train == {"num_workers": "auto", "prefetch_factor": "auto",
+                     "persistent_workers": True}
+    assert val == {"num_workers": 12, "prefetch_factor": 4, "persistent_workers": True}
+
+
+def test_a_tuned_loader_with_nothing_else_to_change_still_keeps_auto_in_the_env_line() -> None:
+    # Idle in the window: no advice at all, but the line replaces the one that asked for
+    # the tuner, so its auto stays.
+    text = exposition(1, workers=2, stable=1)
+    r = build_report("test", MACHINE, loaders(Window.between(
+        Scrape.parse(text, at=1000.0), Scrape.parse(text, at=1000.0 + SECONDS))), 1)
+    [d] = r.diagnoses
+    assert d.verdict == "idle" and d.recommendations == []
+    assert env_line(r)[0].endswith("=train.num_workers=auto,train.prefetch_factor=auto")
+
+
+def test_a_tuner_is_read_per_loader_and_rank() -> None:
+    text = (exposition(1, workers=2, stable=1, changes={("num_workers", "cores"): 3})
+            + exposition(1, workers=2).replace('rank="0"', 'rank="1"'))
+    tuner = {s.rank: s.tuner for s in loaders(Window.whole_run(Scrape.parse(text)))}
+    assert tuner["1"] is None
+    assert tuner["0"] is not None and tuner["0"].stable
+    assert tuner["0"].changes == {("num_workers", "cores"): 3}
