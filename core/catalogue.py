@@ -149,14 +149,15 @@ TRANSFER_BYTES = _m(
 TUNER_CHANGES = _m(
     "dataloader_tuner_changes_total", COUNTER,
     "Changes the loader tuner made to a setting (num_workers, prefetch_factor), by reason "
-    "(starved, cpu-contention, cores, memory, bursty, reverted); a series appears with "
-    "its first change.",
+    "(starved, cpu-contention, cores, memory, bursty, reverted); each pair the tuner can "
+    "make for the settings it tunes starts at 0.",
     "", (*LOADER_LABELS, "setting", "reason"), TRAINER)
 TUNER_STABLE = _m(
     "dataloader_tuner_stable", GAUGE,
-    "Whether the loader tuner has settled on its settings: 1 once stable, 0 while it "
-    "still tries changes; absent for a loader that is not tuned.",
-    "", LOADER_LABELS, TRAINER)
+    "Whether the loader tuner has settled on its settings (settings: those it tunes, "
+    "comma-separated): 1 once stable, 0 while it still tries changes; absent for a loader "
+    "that is not tuned, or whose tuner only advises or has stopped.",
+    "", (*LOADER_LABELS, "settings"), TRAINER)
 INFO = _m(
     "dataloader_info", GAUGE,
     "The loader's effective configuration, the UUID of the GPU its batches go to (empty "

@@ -42,6 +42,9 @@ UNSEEN_EPOCHS = 2  # epochs to wait for unknown worker shares before settling
 # workers than this rank's cores; memory would not hold them; the wait came in bursts;
 # a trial did not help.
 REASONS = ("starved", "cpu-contention", "cores", "memory", "bursty", "reverted")
+# The reasons each setting can change for.
+REASONS_OF = {"num_workers": ("starved", "cpu-contention", "cores", "memory", "reverted"),
+              "prefetch_factor": ("bursty", "reverted")}
 
 
 @dataclass(frozen=True)

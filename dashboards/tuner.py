@@ -38,11 +38,11 @@ TUNER = Row("The loader tuner", (
     Panel("Tuned loaders: num_workers and changes",
           "num_workers of each tuned loader over time, and the tuner's changes so far by "
           "setting and reason: each change is a step in both, so it lines up with its "
-          "effect on Input stall share and throughput. (A change's series starts at 1 with "
-          "its first change, which increase() would not count.) Good: a few steps early "
+          "effect on Input stall share and throughput (each setting and reason the tuner can "
+          "change it for starts at 0). Good: a few steps early "
           "on, then flat. prefetch_factor is in dataloader_info (and in the doctor's report).",
           COUNT, ((f"num_workers {BY_RANK}",
-                   f"{sel(cat.WORKERS_CONFIGURED, LOADER)} and "
+                   f"{sel(cat.WORKERS_CONFIGURED, LOADER)} and on (loader, rank) "
                    f"{sel(cat.TUNER_STABLE, LOADER)}"),
                   (f"{BY_RANK} {{{{setting}}}} {{{{reason}}}}",
                    f"sum by (loader, rank, setting, reason) "

@@ -142,10 +142,13 @@ def env_line(report: Report) -> tuple[str, list[str]]:
     The ranks of a loader share one line: the most workers any rank was advised, a flag
     any rank was advised to set, and the deepest queue, or the shallowest when a rank was
     told to shrink it (shared memory comes first). A loader the loader tuner tunes (on any
-    rank) keeps ``auto`` for num_workers and prefetch_factor: the line replaces the one
-    that asked for the tuner, and the metrics do not say which of the two it sets."""
+    rank) keeps ``auto`` for the settings it tunes (dataloader_tuner_stable's `settings`
+    label): the line replaces the one that asked for the tuner."""
     advice: dict[str, dict[str, list[int | bool]]] = {}
-    tuned_loaders = {d.loader for d in report.diagnoses if d.tuner is not None}
+    tuned_loaders: dict[str, set[str]] = {}
+    for d in report.diagnoses:
+        if d.tuner is not None:
+            tuned_loaders.setdefault(d.loader, set()).update(d.tuner.settings)
     lower: set[tuple[str, str]] = set()
     for d in report.diagnoses:
         for r in d.recommendations:
@@ -157,13 +160,13 @@ def env_line(report: Report) -> tuple[str, list[str]]:
             if kind is int and r.current.isdigit() and value < int(r.current):
                 lower.add((d.loader, r.setting))
     items, skipped = [], []
-    for loader in sorted(set(advice) | tuned_loaders):
+    for loader in sorted(set(advice) | set(tuned_loaders)):
         settings = advice.get(loader, {})
         chosen: dict[str, object] = {
             name: (min(values) if (loader, name) in lower else max(values))
             for name, values in settings.items()}
         if loader in tuned_loaders:
-            chosen.update(dict.fromkeys(TUNABLE, AUTO))
+            chosen.update({s: AUTO for s in TUNABLE if s in tuned_loaders[loader]})
         try:
             items.append(format_settings(loader, chosen))
         except SettingsError:

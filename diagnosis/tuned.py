@@ -1,13 +1,12 @@
 """The loader tuner (core/tuner.py) as the doctor sees it: whether a loader is tuned, still
 trying or stable, the settings it runs with now and the changes it made.
 
-A tuned loader exports dataloader_tuner_stable (0 while the tuner tries, 1 once stable); a
-loader without that series is not tuned. Its changes are counters by setting and reason
-that appear with the first change, so with the gauge present and no change series the
-tuner has changed nothing yet. The settings it runs with now are dataloader_info's (the
-trainer relabels it at each iter(), after the tuner's change); without that series they are
-unknown and said so. While the tuner tries, num_workers and prefetch_factor are its to set:
-the doctor holds its own advice on them (doctor._recommend).
+A tuned loader exports dataloader_tuner_stable (0 while the tuner tries, 1 once stable),
+labelled with the settings it tunes; a loader without that series is not tuned. Its
+changes are counters by setting and reason, each starting at 0. The settings it runs with
+now are dataloader_info's (the trainer relabels it at each iter(), after the tuner's
+change); without that series they are unknown and said so. While the tuner tries, the
+doctor holds its own advice on num_workers and prefetch_factor (doctor._recommend).
 """
 
 from __future__ import annotations
@@ -25,25 +24,36 @@ TRYING, STABLE = "trying", "stable"
 
 @dataclass
 class TunerSignals:
-    """A tuned loader's tuner at the window's end: stable or not, and its changes so far
-    by (setting, reason)."""
+    """A tuned loader's tuner at the window's end: stable or not, the settings it tunes
+    (both where the series does not say), and its changes so far by (setting, reason)."""
 
     stable: bool
     changes: dict[tuple[str, str], float] = field(default_factory=dict)
+    settings: tuple[str, ...] = TUNABLE
+
+
+def _tuned(text: str | None) -> tuple[str, ...]:
+    named = tuple(s for s in TUNABLE if s in (text or "").split(","))
+    return named or TUNABLE
 
 
 def read_tuner(latest: Series, lr: dict[str, str]) -> TunerSignals | None:
     """One (loader, rank)'s tuner; None when the loader is not tuned (no stable gauge)."""
-    stable = latest.get((cat.TUNER_STABLE.name, tuple(sorted(lr.items()))))
-    if stable is None:
-        return None
+    stable: float | None = None
+    settings: tuple[str, ...] = TUNABLE
     changes: dict[tuple[str, str], float] = {}
     for (name, labels), v in latest.items():
         d = dict(labels)
-        if name == cat.TUNER_CHANGES.name and all(d.get(k) == x for k, x in lr.items()):
+        if not all(d.get(k) == x for k, x in lr.items()):
+            continue
+        if name == cat.TUNER_STABLE.name:
+            stable, settings = v, _tuned(d.get("settings"))
+        elif name == cat.TUNER_CHANGES.name and v > 0:  # every pair starts at 0
             key = (d.get("setting", ""), d.get("reason", ""))
             changes[key] = changes.get(key, 0.0) + v
-    return TunerSignals(stable >= 1, changes)
+    if stable is None:
+        return None
+    return TunerSignals(stable >= 1, changes, settings)
 
 
 @dataclass
@@ -59,6 +69,7 @@ class TunerView:
     changes: float
     by_reason: list[dict[str, object]] = field(default_factory=list)  # setting, reason, count
     held: list[str] = field(default_factory=list)
+    settings: tuple[str, ...] = TUNABLE  # the settings the tuner sets
 
     @property
     def trying(self) -> bool:
@@ -80,7 +91,7 @@ def view(t: TunerSignals | None, config: Mapping[str, str]) -> TunerView | None:
     by = [{"setting": s, "reason": r, "count": n} for (s, r), n in sorted(t.changes.items())]
     return TunerView(state, _int(config.get("num_workers")),
                      _int(config.get("prefetch_factor")), sum(t.changes.values()), by,
-                     list(TUNABLE) if state == TRYING else [])
+                     list(TUNABLE) if state == TRYING else [], t.settings)
 
 
 def _settings(v: TunerView) -> str:
@@ -110,4 +121,4 @@ def line(v: TunerView) -> str:
                 f"{changes}; no num_workers or prefetch_factor advice while it sets them")
     changes = f"after {_changes(v)}" if v.changes else "without a change"
     return (f"  tuner: the loader tuner is stable at {_settings(v)}, {changes}; --format env "
-            "keeps num_workers and prefetch_factor auto")
+            f"keeps {' and '.join(v.settings)} auto")

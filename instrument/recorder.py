@@ -95,6 +95,7 @@ class LoaderRecorder:
         # (None: not tuned); its check after each flush.
         self.tuner_changes: dict[tuple[str, str], int] = {}
         self.tuner_stable: bool | None = None
+        self.tuner_settings = ""  # the settings it tunes, comma-separated
         self.on_flush: Callable[[], None] | None = None
         # Reader side.
         self.lock = threading.Lock()
@@ -208,7 +209,7 @@ def _families(recs: list[LoaderRecorder]) -> Iterator[Family]:
     changes, stable = family(cat.TUNER_CHANGES), family(cat.TUNER_STABLE)
     for r in recs:
         if r.tuner_stable is not None:
-            stable.add_metric([r.name, r.rank], float(r.tuner_stable))
+            stable.add_metric([r.name, r.rank, r.tuner_settings], float(r.tuner_stable))
         for (setting, reason), n in sorted(r.tuner_changes.items()):
             changes.add_metric([r.name, r.rank, setting, reason], n)
     yield changes

@@ -60,7 +60,7 @@ from dataloader_exporter.core.facts.cgroup import (
 from dataloader_exporter.core.facts.memory import host_memory
 from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
 from dataloader_exporter.core.settings import ENV_SETTINGS, SettingsError, log_name, parse
-from dataloader_exporter.core.tuner import Budget, Decision, Epoch, Setting, Tuner
+from dataloader_exporter.core.tuner import REASONS_OF, Budget, Decision, Epoch, Setting, Tuner
 
 from . import compat
 from .env import local_world_size
@@ -214,12 +214,19 @@ class LoaderTuning:
         self._mark: _Mark | None = None
         self._said_stable = False
         self._advised = False
-        rec.tuner_stable = False
         rec.on_flush = self.tick
-        tuned = [k for k in knobs if k != "num_workers" or workers]
-        if tuned:
+        self.tuned = tuple(k for k in knobs if k != "num_workers" or workers)
+        if self.advice_only:
+            log.info("dataloader %r: the tuner only says what it would set: %s",
+                     log_name(name), self.advice_only)
+        elif self.tuned:  # exported only where the tuner sets something
+            rec.tuner_stable = False
+            rec.tuner_settings = ",".join(self.tuned)
+            for setting in self.tuned:
+                for reason in REASONS_OF[setting]:
+                    rec.tuner_changes.setdefault((setting, reason), 0)
             log.info("dataloader %r: the tuner sets %s between epochs, from %s",
-                     log_name(name), " and ".join(tuned), _text(self.tuner.start))
+                     log_name(name), " and ".join(self.tuned), _text(self.tuner.start))
 
     def at_iter(self, loader: Any, forget_workers: Callable[[], None]) -> int | None:
         """Judges the epoch since the last iter() and applies a change to `loader` before
@@ -247,7 +254,7 @@ class LoaderTuning:
             log.warning("dataloader %r: the tuner failed and stops; the loader keeps its "
                         "settings", log_name(self.name), exc_info=True)
             self.tuner.stable = True
-            self.rec.tuner_stable = True
+            self.rec.tuner_stable = None  # no tuner runs: its series go
             return None
 
     def _take_mark(self, loader: Any) -> _Mark:
@@ -326,6 +333,8 @@ class LoaderTuning:
         if not self.tuner.stable or self._said_stable:
             return
         self._said_stable = True
+        if self.rec.tuner_stable is None:
+            return  # it advised, stopped, or had nothing to set: no settings line
         self.rec.tuner_stable = True
         line = self.tuner.settings_line(self.name)
         try:

@@ -224,7 +224,7 @@ def tuner_of(reg: CollectorRegistry, name: str) -> tuple[float | None, dict[str,
                 continue
             if s.name == cat.TUNER_STABLE.name:
                 stable = s.value
-            elif s.name == cat.TUNER_CHANGES.name:
+            elif s.name == cat.TUNER_CHANGES.name and s.value:  # each starts at 0
                 changes[f"{s.labels['setting']} {s.labels['reason']}"] = s.value
     return stable, changes
 
@@ -244,6 +244,7 @@ def expected_tuner(loader: Any, changes: dict[str, float]) -> dict[str, Any]:
     return {"state": "stable", "num_workers": loader.num_workers,
             "prefetch_factor": loader.prefetch_factor if loader.num_workers else None,
             "changes": sum(changes.values()), "held": [],
+            "settings": ["num_workers", "prefetch_factor"],
             "by_reason": [{"setting": k.split()[0], "reason": k.split()[1], "count": v}
                           for k, v in sorted(changes.items())]}
 

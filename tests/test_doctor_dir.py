@@ -441,7 +441,8 @@ def with_tuner(text: str, loader: str, stable: float, changes: dict[tuple[str, s
                             line + "\n" for line in lines))
     return text.replace(f"# TYPE {cat.TUNER_STABLE.name} gauge\n",
                         f"# TYPE {cat.TUNER_STABLE.name} gauge\n"
-                        f"{cat.TUNER_STABLE.name}{{{lr}}} {stable:.1f}\n")
+                        f"{cat.TUNER_STABLE.name}{{{lr},settings=\"num_workers,"
+                        f"prefetch_factor\"}} {stable:.1f}\n")
 
 
 def read_dir(directory: Path) -> Report:

@@ -39,7 +39,7 @@ def exposition(k: float, *, workers: int = 2, stall: float = 0.8,
                available: float = 32 * GiB, host_swap: tuple[float, float] = (0.0, 0.0),
                cgroup: tuple[float, float] | None = None, batch_bytes: float = MiB,
                shm_size: float = GiB, info: bool = True, prefetch: str = "2",
-               persistent: str = "true", stable: float | None = None,
+               persistent: str = "true", stable: float | None = None, tuned: str | None = None,
                changes: dict[tuple[str, str], float] | None = None) -> str:
     """A snapshot after k (0 or 1) windows: counters are k times their window's increase,
     gauges their value (swap gauges move from their first to their second value).
@@ -65,7 +65,7 @@ def exposition(k: float, *, workers: int = 2, stall: float = 0.8,
                             prefetch_factor=prefetch, pin_memory="true",
                             persistent_workers=persistent, gpu_uuid="GPU-0"))
     if stable is not None:
-        lines.append(sample(cat.TUNER_STABLE, stable))
+        lines.append(sample(cat.TUNER_STABLE, stable, **({"settings": tuned} if tuned else {})))
     lines += [sample(cat.TUNER_CHANGES, n, setting=setting, reason=reason)
               for (setting, reason), n in (changes or {}).items()]
     if states is not None:
@@ -423,6 +423,7 @@ def test_the_json_has_the_tuner_for_a_tuned_loader_and_null_otherwise() -> None:
     assert loader["tuner"] == {
         "state": "trying", "num_workers": 2, "prefetch_factor": 2, "changes": 2,
         "held": ["num_workers", "prefetch_factor"],
+        "settings": ["num_workers", "prefetch_factor"],  # no settings label: both
         "by_reason": [{"setting": "num_workers", "reason": "reverted", "count": 1},
                       {"setting": "num_workers", "reason": "starved", "count": 1}]}
     assert json.loads(json.dumps(report(**BLOCKED).as_dict()))["loaders"][0]["tuner"] is None
@@ -464,3 +465,16 @@ def test_a_tuner_is_read_per_loader_and_rank() -> None:
     assert tuner["1"] is None
     assert tuner["0"] is not None and tuner["0"].stable
     assert tuner["0"].changes == {("num_workers", "cores"): 3}
+
+
+def test_the_env_line_keeps_auto_only_for_the_settings_the_tuner_sets() -> None:
+    # tune=("num_workers",): auto for it, and prefetch_factor stays the user's. Changes
+    # that start at 0 are no changes.
+    text = exposition(1, workers=2, stable=1, tuned="num_workers",
+                      changes={("num_workers", "cores"): 0, ("num_workers", "starved"): 1})
+    r = build_report("test", MACHINE, loaders(Window.between(
+        Scrape.parse(text, at=1000.0), Scrape.parse(text, at=1000.0 + SECONDS))), 1)
+    [d] = r.diagnoses
+    assert d.tuner is not None and d.tuner.settings == ("num_workers",)
+    assert [c["reason"] for c in d.tuner.by_reason] == ["starved"]
+    assert env_line(r)[0].endswith("=train.num_workers=auto")

@@ -108,9 +108,11 @@ def assert_grew_to_one_worker(control: Job) -> None:
 
 def assert_stayed_without_workers(limited: Job) -> None:
     assert limited.workers == [0] * len(limited.workers), limited.truth["epochs"]
-    assert limited.changes == [] and not limited.metric(cat.TUNER_CHANGES.name)
+    assert limited.changes == []
+    assert {n for _, n in limited.metric(cat.TUNER_CHANGES.name)} == {0.0}  # each starts at 0
     assert "at num_workers=0," in limited.stable_line()
-    assert limited.metric(cat.TUNER_STABLE.name) == [({"loader": "train", "rank": "0"}, 1.0)]
+    assert limited.metric(cat.TUNER_STABLE.name) == [
+        ({"loader": "train", "rank": "0", "settings": "num_workers,prefetch_factor"}, 1.0)]
 
 
 def test_a_memory_cgroup_with_less_room_than_a_worker_keeps_the_loader_without_workers(
@@ -184,7 +186,7 @@ def test_a_loader_started_above_its_pinned_cores_shrinks_to_them_and_stays_withi
     assert pinned.changes[0] == (3, cores), pinned.truth["log"]
     assert all(new <= cores for _, new in pinned.changes), pinned.truth["log"]
     counted = pinned.metric(cat.TUNER_CHANGES.name, setting="num_workers")
-    assert [(labels["reason"], n) for labels, n in counted] == [("cores", 1)], counted
+    assert [(labels["reason"], n) for labels, n in counted if n] == [("cores", 1)], counted
 
 
 def test_each_torchrun_rank_stays_within_its_share_of_the_cores_and_reports_its_own_changes(
@@ -207,4 +209,5 @@ def test_each_torchrun_rank_stays_within_its_share_of_the_cores_and_reports_its_
         assert {labels["rank"] for labels, _ in counted} == {str(rank)}
         assert sum(n for _, n in counted) == len(seen.changes)
         [(labels, _)] = seen.metric(cat.TUNER_STABLE.name)
-        assert labels == {"loader": "train", "rank": str(rank)}
+        assert labels == {"loader": "train", "rank": str(rank),
+                          "settings": "num_workers,prefetch_factor"}

@@ -55,6 +55,18 @@ def same(a: Batches, b: Batches) -> bool:
         for x, y in zip(a, b, strict=True))
 
 
+def stable_of(registry: CollectorRegistry, loader: str) -> float | None:
+    """dataloader_tuner_stable of a loader (None: absent); its settings label checked."""
+    found = [(dict(k[1]), v) for k, v in scrape(registry).items()
+             if k[0] == "dataloader_tuner_stable" and dict(k[1])["loader"] == loader]
+    assert len(found) <= 1, found
+    if not found:
+        return None
+    assert found[0][0]["settings"] in ("num_workers", "num_workers,prefetch_factor",
+                                       "prefetch_factor"), found
+    return found[0][1]
+
+
 @pytest.fixture
 def tuner_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     with caplog.at_level(logging.INFO, logger="dataloader_exporter.instrument"):
@@ -176,13 +188,14 @@ def test_the_tuner_is_visible_in_the_metrics_and_says_how_to_keep_its_settings(
     plain = instrument.DataLoader(data, batch_size=BATCH, name="plain", registry=registry)
     epochs(plain, 1)
     epochs(tuned, 1)
-    assert scrape(registry)[("dataloader_tuner_stable", (("loader", "seen"),
-                                                          ("rank", "0")))] == 0.0
+    assert stable_of(registry, "seen") == 0.0
     epochs(tuned, 8)
     samples = scrape(registry)
-    assert samples[("dataloader_tuner_stable", (("loader", "seen"), ("rank", "0")))] == 1.0
+    assert stable_of(registry, "seen") == 1.0
+    assert ("dataloader_tuner_stable", (("loader", "seen"), ("rank", "0"),
+                                        ("settings", "num_workers"))) in samples
     changes = {dict(k[1])["reason"]: v for k, v in samples.items()
-               if k[0] == "dataloader_tuner_changes_total"}
+               if k[0] == "dataloader_tuner_changes_total" and v}
     assert changes.get("starved") == 1.0 and set(changes) <= {"starved", "reverted"}
     assert not [k for k in samples if k[0].startswith("dataloader_tuner")
                 and dict(k[1])["loader"] == "plain"]  # not tuned: no tuner series at all
@@ -236,8 +249,7 @@ def test_a_loader_that_refuses_a_change_keeps_training_with_its_own_settings(
     got, workers = epochs(loader)
     assert workers == [0] * EPOCHS and same(got, expected)
     assert "the tuner failed and stops; the loader keeps its settings" in tuner_log.text
-    assert scrape(registry)[("dataloader_tuner_stable", (("loader", "stubborn"),
-                                                          ("rank", "0")))] == 1.0
+    assert stable_of(registry, "stubborn") is None  # no tuner runs: not exported
 
 
 def test_a_long_epoch_gets_advice_not_a_change(
@@ -292,6 +304,7 @@ def test_a_sampler_that_draws_its_order_at_iter_gets_advice_and_the_same_batches
     assert "the tuner would set num_workers 0 -> 1" in tuner_log.text
     assert "its sampler (BatchSampler) draws its order when an iterator is built, so " \
            "starting workers would change the order of the batches" in tuner_log.text
+    assert stable_of(registry, "stateful") is None  # it only advises: not a tuned loader
     it = iter(loader)
     head = [next(it)[1].clone() for _ in range(5)]
     resumed = build()
