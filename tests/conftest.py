@@ -97,6 +97,7 @@ SLOW_MODULES = frozenset({
     "test_packaging.py",
     "test_resources.py",
     "test_tuner_budgets.py",
+    "test_tuner_loader.py",
     "test_worker_cases.py",
     "test_worker_liveness.py",
 })
@@ -111,6 +112,7 @@ SLOW = {
         "test_the_sidecar_serves_https_with_the_generated_ca_and_password_and_401_without",
         "test_the_tls_prometheus_config_passes_promtool_and_scrapes_the_sidecar"},
     "test_doctor.py": {
+        "test_a_tuned_loader_is_reported_with_the_settings_and_changes_the_tuner_made",
         "test_a_healthy_loader_exits_zero",
         "test_a_killed_worker_is_reported_as_lost",
         "test_a_starved_loader_is_input_bound_and_gets_workers",
