@@ -92,8 +92,10 @@ def _progress(line: str, final: bool = False) -> None:
 
 def _stable(registry: Any, name: str) -> bool:
     """Whether the loader's tuner has settled (read after iter(), where it decides)."""
-    return registry.get_sample_value(cat.TUNER_STABLE.name,
-                                     {"loader": name, "rank": current_rank()}) == 1.0
+    rank = current_rank()
+    return any(s.value == 1.0 for f in registry.collect() if f.name == cat.TUNER_STABLE.name
+               for s in f.samples
+               if s.labels.get("loader") == name and s.labels.get("rank") == rank)
 
 
 def run_phase(name: str, settings: dict[str, Any], seconds: float, samples: int,
