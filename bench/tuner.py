@@ -89,8 +89,11 @@ class Run:
 
 
 def _stable(registry: CollectorRegistry, name: str) -> bool:
-    labels = {"loader": name, "rank": current_rank()}
-    return registry.get_sample_value(cat.TUNER_STABLE.name, labels) == 1.0
+    """Whether the tuner has settled (its gauge also names the settings it tunes)."""
+    rank = current_rank()
+    return any(s.value == 1.0 for f in registry.collect() if f.name == cat.TUNER_STABLE.name
+               for s in f.samples
+               if s.labels.get("loader") == name and s.labels.get("rank") == rank)
 
 
 def _changes(registry: CollectorRegistry, name: str) -> dict[str, float]:
@@ -98,7 +101,8 @@ def _changes(registry: CollectorRegistry, name: str) -> dict[str, float]:
     out = {}
     for fam in registry.collect():
         for s in fam.samples:
-            if s.name == cat.TUNER_CHANGES.name and s.labels.get("loader") == name:
+            if (s.name == cat.TUNER_CHANGES.name and s.labels.get("loader") == name
+                    and s.value):  # each pair starts at 0
                 out[f"{s.labels['setting']}/{s.labels['reason']}"] = s.value
     return out
 

@@ -117,6 +117,11 @@ class Instruments:
             self.tuning = LoaderTuning(self.name, knobs, loader, self.rec)
         return self.tuning.at_iter(loader, self.forget_workers)
 
+    @property
+    def tuning_now(self) -> bool:
+        """Whether a tuner is still judging this loader's epochs (not settled)."""
+        return self.tuning is not None and not self.tuning.tuner.stable
+
     def probe_at(self, it: Any) -> int:
         """For a tuned loader: the batch count at which its workers are sampled, so that
         the epoch's last sample is taken while they live (torch ends a non-persistent
@@ -190,7 +195,7 @@ class Instruments:
     def first_batch(self, batch: Any, since_iter_ns: int) -> None:
         rec = self.rec
         rec.first.append(since_iter_ns)
-        if self.tuning is not None:  # the workers' first sample of the epoch (tuning.py)
+        if self.tuning_now:  # the workers' first sample of the epoch (tuning.py)
             rec.workers.refresh(time.monotonic(), batches=rec.batches, force=True)
         self.iterated = True
         self.epochs += 1
@@ -208,7 +213,7 @@ class Instruments:
 
     def end(self, gen: int) -> None:
         """The iterator is exhausted (StopIteration)."""
-        if self.tuning is not None:  # the workers' last figures, before they stop
+        if self.tuning_now:  # the workers' last figures, before they stop
             self.rec.workers.refresh(time.monotonic(), batches=self.rec.batches, force=True)
         if gen and not self.config.persistent_workers:
             self.rec.workers.stop(gen)  # torch has shut these workers down on purpose

@@ -147,7 +147,7 @@ class TimedIterator:
         self._last = 0
         self._done = False
         # The batch count at which a tuned loader's workers are sampled (0: never).
-        self._probe = owner.probe_at(it) if owner.tuning is not None else 0
+        self._probe = owner.probe_at(it) if owner.tuning_now else 0
 
     def __iter__(self) -> TimedIterator:
         return self
