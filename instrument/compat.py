@@ -56,14 +56,16 @@ def base_seed(iterator: Any) -> int:
     return (seed + 1) % (1 << 63) if isinstance(seed, int) else 0
 
 
-def shut_down(loader: Any, iterator: Any) -> None:
+def shut_down(loader: Any, iterator: Any) -> bool:
     """Ends a persistent-workers loader's pool so that its next iter() builds a new one
     with the loader's current settings (the tuner's change, tuning.py): the one write to
     a private torch attribute. torch 2.13 reuses ``loader._iterator`` while it is set and
     ends its workers with ``_shutdown_workers()`` (its own __del__ calls the same).
-    Without them, the old pool is left to torch and the change waits: the next iter()
-    reuses it, as torch would."""
+    Without them, nothing is done and False is returned: the old pool is left to torch,
+    and the tuner leaves the loader's settings as they were."""
     shutdown = getattr(iterator, "_shutdown_workers", None)
-    if callable(shutdown) and getattr(loader, "_iterator", None) is iterator:
-        shutdown()
-        loader._iterator = None
+    if not callable(shutdown) or getattr(loader, "_iterator", None) is not iterator:
+        return False
+    shutdown()
+    loader._iterator = None
+    return True

@@ -32,6 +32,7 @@ where a new pool would change the order.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -316,12 +317,22 @@ class LoaderTuning:
         s = decision.setting
         old = compat.persistent_iterator(loader) if getattr(
             loader, "persistent_workers", False) else None
-        loader.num_workers = s.workers
-        loader.prefetch_factor = s.prefetch if s.workers else None
+        before = loader.num_workers, loader.prefetch_factor
+        try:  # both or neither: torch needs a prefetch_factor with workers
+            loader.prefetch_factor = s.prefetch if s.workers else None
+            loader.num_workers = s.workers
+            if old is not None and not compat.shut_down(loader, old):
+                raise RuntimeError("cannot end its persistent workers (torch's private "
+                                   "_iterator or _shutdown_workers is missing)")
+        except BaseException:
+            for attr, value in zip(("num_workers", "prefetch_factor"), before, strict=True):
+                with contextlib.suppress(Exception):
+                    if getattr(loader, attr) != value:
+                        setattr(loader, attr, value)
+            raise
         seed = None
-        if old is not None:  # the pool torch would reuse has the old settings
+        if old is not None:  # the pool torch would have reused had the old settings
             seed = compat.base_seed(old)
-            compat.shut_down(loader, old)
             forget_workers()
         key = (decision.name, decision.reason)
         self.rec.tuner_changes[key] = self.rec.tuner_changes.get(key, 0) + 1

@@ -248,6 +248,7 @@ def test_a_loader_that_refuses_a_change_keeps_training_with_its_own_settings(
                              registry=registry)
     got, workers = epochs(loader)
     assert workers == [0] * EPOCHS and same(got, expected)
+    assert loader.prefetch_factor is None  # the half-made change was undone
     assert "the tuner failed and stops; the loader keeps its settings" in tuner_log.text
     assert stable_of(registry, "stubborn") is None  # no tuner runs: not exported
 
@@ -274,7 +275,7 @@ def test_without_the_private_attributes_a_persistent_pool_is_left_to_torch() -> 
         persistent_workers = True
 
     loader, pool = Loader(), object()
-    compat.shut_down(loader, pool)  # no _iterator, no _shutdown_workers: nothing done
+    assert not compat.shut_down(loader, pool)  # no _iterator, no _shutdown_workers
     assert not hasattr(loader, "_iterator")
     assert compat.base_seed(pool) == 0
 
