@@ -78,6 +78,7 @@ class Epoch:
     worker_bytes: int | None = None
     batch_bytes: int | None = None
     burstiness: float | None = None  # fetch wait p95 / median
+    unit: str = "samples"  # what samples_per_s counts: "batches" where samples cannot be
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class Tuner:
     _exhausted: set[str] = field(default_factory=set)  # directions that did not help
     _trying: str | None = None  # the direction of the trial now running
     _unseen: int = 0  # epochs waited for the workers' shares
+    _unit: str = "samples"  # what the rates count
 
     def __post_init__(self) -> None:
         self.current = self.start
@@ -121,6 +123,8 @@ class Tuner:
         what the rank may use, read now (the room left with the current workers)."""
         if self.stable or epoch.setting != self.current:
             return None
+        if epoch.unit != self._unit:  # samples could no longer be counted: rates restart
+            self._unit, self.best_rate, self._trying = epoch.unit, 0.0, None
         self.budget = budget
         if self._trying is not None:
             trying, self._trying = self._trying, None
@@ -130,7 +134,10 @@ class Tuner:
             if epoch.samples_per_s < self.best_rate * floor:
                 self._exhausted.add(trying)
                 return self._revert(epoch, trying)
-            self.best, self.best_rate = self.current, epoch.samples_per_s
+            # A cut kept is the best setting now, judged still against the faster rate:
+            # cuts do not compound below the best measured.
+            self.best = self.current
+            self.best_rate = max(self.best_rate, epoch.samples_per_s)
         if epoch.samples_per_s >= self.best_rate:
             self.best, self.best_rate = self.current, epoch.samples_per_s
         if self.trials >= MAX_TRIALS:
@@ -154,6 +161,14 @@ class Tuner:
         self.current = decision.setting
         return decision
 
+    def cannot_run(self, previous: Setting) -> None:
+        """The change just made could not run (the first worker pool failed to start, or
+        failed its first batch): back to `previous`, and no more workers, ever."""
+        self.current = previous
+        self._trying = None
+        self._exhausted.add("num_workers+")
+        self.stable = True
+
     def _blind(self, epoch: Epoch) -> bool:
         """The loop waited, but the workers' shares that would say why are unknown (a
         pool's first seconds are not sampled yet)."""
@@ -166,7 +181,7 @@ class Tuner:
         old = epoch.setting.workers if name == "num_workers" else epoch.setting.prefetch
         new = self.best.workers if name == "num_workers" else self.best.prefetch
         self.current = self.best
-        rate, best = f"{epoch.samples_per_s:.0f} samples/s", f"{self.best_rate:.0f}"
+        rate, best = f"{epoch.samples_per_s:.0f} {epoch.unit}/s", f"{self.best_rate:.0f}"
         why = (f"{rate} did not beat {best} by {MIN_GAIN:.0%}" if trying.endswith("+") else
                f"{rate} fell more than {MIN_GAIN:.0%} below {best}")
         return Decision(self.best, name, old, new, "reverted", f"{why}: back to {new}")

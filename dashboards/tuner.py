@@ -14,8 +14,8 @@ from .promql import BY_RANK, LOADER, sel
 _WHY = ("starved (the loop waited on busy workers: more), cpu-contention (the workers "
         "waited for a CPU: fewer), cores (more workers than this rank's cores), memory "
         "(memory would not hold them), bursty (the wait came in bursts: a deeper "
-        f"prefetch_factor), reverted (a trial was not {MIN_GAIN:.0%} faster: back to the "
-        "best setting)")
+        f"prefetch_factor), reverted (a trial did not pay: more was not {MIN_GAIN:.0%} "
+        f"faster, or fewer was over {MIN_GAIN:.0%} slower; back to the best setting)")
 
 TUNER = Row("The loader tuner", (
     Panel("Loader tuner stable",

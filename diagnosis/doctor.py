@@ -259,10 +259,15 @@ def _recommend(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
         d.unknowns.append("no GPU metrics: the advice assumes the loop trains on the CPU and "
                           "keeps a core for it (run the sidecar with NVML, or dcgm-exporter)")
     workers, prefetch = cfg.workers, cfg.prefetch
-    eff_workers, want_prefetch = workers, prefetch  # the tuner's, while it tries them
-    if d.tuner is None or not d.tuner.trying:
-        eff_workers, want_prefetch = _workers_and_queue(d, s, workers, prefetch, machine,
-                                                        local_ranks, cuda)
+    eff_workers, want_prefetch = _workers_and_queue(d, s, workers, prefetch, machine,
+                                                    local_ranks, cuda)
+    if d.tuner is not None and d.tuner.held:  # the tuner's to set while it tries them
+        held = set(d.tuner.held)
+        rec[:] = [r for r in rec if r.setting not in held]
+        if "num_workers" in held:
+            eff_workers = workers
+        if "prefetch_factor" in held:
+            want_prefetch = prefetch
     if eff_workers and cfg.persistent is not True:
         rec.append(Recommendation("persistent_workers", "True", str(cfg.persistent), (
             "workers are started again at every epoch otherwise, which stalls its first batch")))

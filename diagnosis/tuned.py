@@ -91,7 +91,7 @@ def view(t: TunerSignals | None, config: Mapping[str, str]) -> TunerView | None:
     by = [{"setting": s, "reason": r, "count": n} for (s, r), n in sorted(t.changes.items())]
     return TunerView(state, _int(config.get("num_workers")),
                      _int(config.get("prefetch_factor")), sum(t.changes.values()), by,
-                     list(TUNABLE) if state == TRYING else [], t.settings)
+                     list(t.settings) if state == TRYING else [], t.settings)
 
 
 def _settings(v: TunerView) -> str:
@@ -118,7 +118,8 @@ def line(v: TunerView) -> str:
     if v.trying:
         changes = _changes(v, " so far") if v.changes else "no change yet"
         return (f"  tuner: the loader tuner is still trying settings, now {_settings(v)}; "
-                f"{changes}; no num_workers or prefetch_factor advice while it sets them")
+                f"{changes}; no {' or '.join(v.held)} advice while it sets "
+                f"{'it' if len(v.held) == 1 else 'them'}")
     changes = f"after {_changes(v)}" if v.changes else "without a change"
     return (f"  tuner: the loader tuner is stable at {_settings(v)}, {changes}; --format env "
             f"keeps {' and '.join(v.settings)} auto")

@@ -66,6 +66,8 @@ def shut_down(loader: Any, iterator: Any) -> bool:
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if not callable(shutdown) or getattr(loader, "_iterator", None) is not iterator:
         return False
-    shutdown()
-    loader._iterator = None
+    try:
+        shutdown()
+    finally:  # even a failed shutdown leaves no pool for torch's next iter() to reuse
+        loader._iterator = None
     return True

@@ -29,6 +29,7 @@ from .tuning import LoaderTuning
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
+PROBE_EVERY = 1 << 15  # batches between two readings of a tuned epoch (recorder.MAX_UNREAD / 4)
 MAX_PENDING_EVENTS = 4096  # CUDA event pairs kept waiting before the oldest are dropped
 WAIT_WRITE = 1.0  # seconds the loop's exception waits for the snapshot of a dead worker
 
@@ -47,7 +48,7 @@ class Instruments:
         self.tuning: LoaderTuning | None = None
         self._tune_checked = False
         self._probe_start = 0  # the batch count at the start of the tuned epoch
-        self._probe_doubling = False
+        self._probe_last: int | None = None  # its next-to-last batch, when known
         self.registry = registry
         self.metrics_dir = metrics_dir
         self.port = port
@@ -114,7 +115,12 @@ class Instruments:
                              "the tuner sets a torch DataLoader's settings only",
                              log_name(self.name), type(loader).__qualname__)
                 return None
-            self.tuning = LoaderTuning(self.name, knobs, loader, self.rec)
+            try:
+                self.tuning = LoaderTuning(self.name, knobs, loader, self.rec)
+            except Exception:  # the tuner must never stop training
+                log.warning("dataloader %r: the tuner cannot start; the loader keeps its "
+                            "settings", log_name(self.name), exc_info=True)
+                return None
         return self.tuning.at_iter(loader, self.forget_workers)
 
     @property
@@ -123,26 +129,37 @@ class Instruments:
         return self.tuning is not None and not self.tuning.tuner.stable
 
     def probe_at(self, it: Any) -> int:
-        """For a tuned loader: the batch count at which its workers are sampled, so that
-        the epoch's last sample is taken while they live (torch ends a non-persistent
-        pool before its iterator raises StopIteration): its next-to-last batch when its
-        length is known, else after 8, 16, 32, ... batches. 0 without workers."""
-        if not self.config.num_workers:
-            return 0
-        self._probe_start = self.rec.batches
+        """For a tuned loader: the first batch count at which its figures are read in the
+        loop (probed), so that the epoch's last reading is taken while its workers live
+        (torch ends a non-persistent pool before its iterator raises StopIteration) and
+        no measurement is dropped unread in a long epoch (recorder.MAX_UNREAD): after 8,
+        16, 32, ... batches, then every PROBE_EVERY, and at the next-to-last batch when
+        the epoch's length is known."""
+        start = self._probe_start = self.rec.batches
         try:
             n: int | None = len(it)
         except Exception:  # no length
             n = None
-        self._probe_doubling = n is None
-        if n is None:
-            return self._probe_start + 8
-        return self._probe_start + n - 1 if n >= 3 else 0
+        self._probe_last = start + n - 1 if n is not None and n >= 2 else None
+        return self._next_probe(start)
+
+    def _next_probe(self, at: int) -> int:
+        step = min(max(8, at - self._probe_start), PROBE_EVERY)
+        last = self._probe_last
+        if last is None:
+            return at + step
+        return 0 if at >= last else min(at + step, last)
 
     def probed(self, at: int) -> int:
-        """Samples the workers now (a probe_at count was reached); the next count."""
-        self.rec.workers.refresh(time.monotonic(), batches=self.rec.batches, force=True)
-        return at + (at - self._probe_start) if self._probe_doubling else 0
+        """Reads the loader's figures now (a probe_at count was reached); the next count.
+        Never raises into the loop but torch's word that a worker died."""
+        try:
+            self.rec.flush()
+            self.rec.workers.refresh(time.monotonic(), batches=self.rec.batches, force=True)
+        except Exception as e:
+            reraise_torch_worker_error(e)
+            log.debug("the tuner's reading failed", exc_info=True)
+        return self._next_probe(at)
 
     def forget_workers(self) -> None:
         """The tracked pool was shut down on purpose (the tuner rebuilds it)."""
@@ -156,6 +173,7 @@ class Instruments:
         framework may call iter() to probe a loader and fetch nothing)."""
         self.config = LoaderConfig.of(loader)
         rec = self.rec
+        rec.iters += 1
         rec.workers.report = self.failed  # failures are said with this loader's settings
         shm = shm_space(SHM_PATH)  # the trainer's own, which a doctor elsewhere cannot see
         rec.config = {"loader": self.name, "rank": rec.rank, **self.config.labels(),
@@ -196,7 +214,7 @@ class Instruments:
         rec = self.rec
         rec.first.append(since_iter_ns)
         if self.tuning_now:  # the workers' first sample of the epoch (tuning.py)
-            rec.workers.refresh(time.monotonic(), batches=rec.batches, force=True)
+            self.probed(0)
         self.iterated = True
         self.epochs += 1
         rec.epochs += 1
@@ -214,7 +232,7 @@ class Instruments:
     def end(self, gen: int) -> None:
         """The iterator is exhausted (StopIteration)."""
         if self.tuning_now:  # the workers' last figures, before they stop
-            self.rec.workers.refresh(time.monotonic(), batches=self.rec.batches, force=True)
+            self.probed(0)
         if gen and not self.config.persistent_workers:
             self.rec.workers.stop(gen)  # torch has shut these workers down on purpose
         self.hub.flush_now()

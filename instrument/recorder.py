@@ -82,6 +82,7 @@ class LoaderRecorder:
         # total is then unknown and not exported, for the rest of the process.
         self.samples_known = True
         self.epochs = 0
+        self.iters = 0  # iter()s of the loaders of this name (the tuner's check)
         self.batch_bytes = -1
         self.transfer_bytes = 0
         self.last_batch_ns = 0  # perf_counter_ns of the last batch handed out
@@ -208,8 +209,9 @@ def _families(recs: list[LoaderRecorder]) -> Iterator[Family]:
     yield from _proc_families(recs)
     changes, stable = family(cat.TUNER_CHANGES), family(cat.TUNER_STABLE)
     for r in recs:
-        if r.tuner_stable is not None:
-            stable.add_metric([r.name, r.rank, r.tuner_settings], float(r.tuner_stable))
+        state = r.tuner_stable  # read once: the tuner may stop between two reads
+        if state is not None:
+            stable.add_metric([r.name, r.rank, r.tuner_settings], float(state))
         for (setting, reason), n in sorted(r.tuner_changes.items()):
             changes.add_metric([r.name, r.rank, setting, reason], n)
     yield changes

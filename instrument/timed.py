@@ -79,6 +79,7 @@ def instrumented_iter(loader: Any, dle: Instruments, torch_iter: Callable[[Any],
     """
     start = perf_counter_ns()
     seed = None if quiet else dle.at_iter(loader)
+    undo = dle.tuning.undo if dle.tuning is not None else None
     torch_iter_as_is = torch_iter
     if seed is not None:  # the tuner shut the persistent pool down: a new one, same order
         torch_iter = fresh_seed(torch_iter, seed)
@@ -88,7 +89,15 @@ def instrumented_iter(loader: Any, dle: Instruments, torch_iter: Callable[[Any],
         log.warning("dataloader %r: cannot instrument %s; it runs unmeasured",
                     log_name(dle.name), type(loader).__qualname__, exc_info=True)
         return torch_iter(loader)
-    it = _with_collate(loader, plan.collate, torch_iter) if plan.collate else torch_iter(loader)
+    try:
+        it = _start(loader, plan, torch_iter)
+    except Exception as e:  # the tuner's first pool could not start: without it
+        if undo is None or dle.tuning is None or not dle.tuning.cannot_run(loader, undo, e):
+            raise
+        dle.rec.iters -= 1  # the same iter(), planned again
+        plan = _Plan(loader, dle, quiet)
+        it = _start(loader, plan, torch_iter)
+        undo = None
     if torch_iter_as_is is not TORCH_ITER and inspect.isgenerator(it):
         lazy(torch_iter_as_is)
         return it
@@ -96,8 +105,32 @@ def instrumented_iter(loader: Any, dle: Instruments, torch_iter: Callable[[Any],
         dle.started = None
         plan.block = plan.started[1]
     gen = dle.track(it, plan.block) if plan.workers else 0
-    cls = QuietIterator if quiet else TimedIterator
-    return cls(it, dle, start, gen, plan.count)
+    if quiet:
+        return QuietIterator(it, dle, start, gen, plan.count)
+    timed = TimedIterator(it, dle, start, gen, plan.count)
+    if undo is not None:  # its first batch may fail in the workers: the same epoch without
+        timed._retry = _retry(loader, dle, undo, torch_iter)
+    return timed
+
+
+def _start(loader: Any, plan: _Plan, torch_iter: Callable[[Any], Any]) -> Any:
+    return _with_collate(loader, plan.collate, torch_iter) if plan.collate else torch_iter(
+        loader)
+
+
+def _retry(loader: Any, dle: Instruments, undo: Any, torch_iter: Callable[[Any], Any]
+           ) -> Callable[[Exception], tuple[Any, Counter] | None]:
+    """For the first batch of the tuner's first worker pool: when it fails, the same
+    epoch again without workers (the loader's RNGs as before its iter(), so the same
+    order), or None to let the error go on."""
+    def retry(error: Exception) -> tuple[Any, Counter] | None:
+        if dle.tuning is None or not dle.tuning.cannot_run(loader, undo, error):
+            return None
+        dle.forget_workers()  # ended on purpose: the failed pool goes with its iterator
+        dle.rec.iters -= 1  # the same iter(), planned again
+        plan = _Plan(loader, dle, False)
+        return _start(loader, plan, torch_iter), plan.count
+    return retry
 
 
 def prestart(loader: Any, dle: Instruments, state_dict: Callable[[Any], Any]) -> Any:
@@ -134,7 +167,7 @@ class TimedIterator:
     """Times each next() of the iterator it holds; everything else passes through."""
 
     __slots__ = ("__weakref__", "_count", "_done", "_gen", "_it", "_last", "_owner", "_probe",
-                 "_rec", "_start")
+                 "_rec", "_retry", "_start")
 
     def __init__(self, it: Any, owner: Instruments, start_ns: int, gen: int = 0,
                  count: Counter = loader_len) -> None:
@@ -148,6 +181,8 @@ class TimedIterator:
         self._done = False
         # The batch count at which a tuned loader's workers are sampled (0: never).
         self._probe = owner.probe_at(it) if owner.tuning_now else 0
+        # The tuner's way back when its first worker pool fails its first batch.
+        self._retry: Callable[[Exception], tuple[Any, Counter] | None] | None = None
 
     def __iter__(self) -> TimedIterator:
         return self
@@ -160,6 +195,13 @@ class TimedIterator:
             self._finish(True)
             raise
         except Exception as e:
+            retry, self._retry = self._retry, None
+            again = retry(e) if retry is not None and not self._last else None
+            if again is not None:  # the tuner's pool failed: the epoch without it
+                self._it, self._count = again
+                self._gen = 0
+                self._probe = 0
+                return self.__next__()
             self._finish(False, e)  # not the end: a loop may skip a bad batch and go on
             raise
         t1 = perf_counter_ns()
@@ -168,6 +210,7 @@ class TimedIterator:
         if self._last:
             rec.step.append(t0 - self._last)
         else:
+            self._retry = None
             self._owner.first_batch(batch, t1 - self._start)
         self._last = t1
         rec.last_batch_ns = t1

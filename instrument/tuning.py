@@ -66,11 +66,13 @@ from dataloader_exporter.core.tuner import REASONS_OF, Budget, Decision, Epoch, 
 from . import compat
 from .env import local_world_size
 from .envsettings import once
+from .failures import is_torch_worker_error
 from .recorder import LoaderRecorder
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
 MIN_BATCHES = 8  # an epoch with fewer batches says too little to judge
+BURST_FLOOR = 0.001  # seconds: a 95th-percentile wait below this is not a burst
 LONG_EPOCH = 600.0  # seconds: an epoch running longer is judged, as advice only
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -133,6 +135,8 @@ def burstiness(counts: np.ndarray, bounds: tuple[float, ...]) -> float | None:
     p95 = int(np.searchsorted(cum, 0.95 * total))
     if p95 >= len(bounds):
         return None
+    if bounds[p95] < BURST_FLOOR:
+        return 1.0  # waits this short are no burst, whatever their ratio
     return bounds[p95] / bounds[p50]
 
 
@@ -181,6 +185,18 @@ def _lazy(sampler: Any, depth: int = 0) -> bool:
 
 
 @dataclass(frozen=True)
+class Undo:
+    """What a change from no workers to some replaced, to put back if the new pool cannot
+    start or fails its first batch (a dataset that cannot run in a worker): the settings,
+    and the loader's generator and torch's CPU RNG as they were before torch's iter()."""
+
+    setting: Setting
+    prefetch: int | None
+    generator: torch.Tensor | None
+    cpu: torch.Tensor
+
+
+@dataclass(frozen=True)
 class _Mark:
     """A loader's counters at an epoch's iter()."""
 
@@ -191,6 +207,7 @@ class _Mark:
     step_s: float
     fetch_counts: np.ndarray
     proc: tuple[int | None, int | None, int | None]
+    iters: int  # iter()s of every loader of this name so far
 
 
 class LoaderTuning:
@@ -211,10 +228,14 @@ class LoaderTuning:
                            prefetch="prefetch_factor" in knobs)
         # Where a change would change the order of the batches, the tuner only advises.
         self.advice_only = _order_bound(loader, self.tuner.start.workers)
+        if iterable and getattr(loader, "persistent_workers", False):
+            self.advice_only = ("its IterableDataset's stream lives in its persistent workers: "
+                                "a new pool would start it anew")
         self._lock = threading.RLock()  # a flush inside at_iter calls tick()
         self._mark: _Mark | None = None
         self._said_stable = False
         self._advised = False
+        self.undo: Undo | None = None  # armed by a change from no workers, for one iter()
         rec.on_flush = self.tick
         self.tuned = tuple(k for k in knobs if k != "num_workers" or workers)
         if self.advice_only:
@@ -236,6 +257,7 @@ class LoaderTuning:
         try:
             with self._lock:
                 seed = None
+                self.undo = None
                 mark, self._mark = self._mark, None
                 if mark is not None and not self.tuner.stable:
                     epoch = self._epoch(mark)
@@ -251,7 +273,9 @@ class LoaderTuning:
                 if not self.tuner.stable:
                     self._mark = self._take_mark(loader)
                 return seed
-        except Exception:
+        except Exception as e:
+            if is_torch_worker_error(e):
+                raise  # torch's word that a worker died goes on to the loop
             log.warning("dataloader %r: the tuner failed and stops; the loader keeps its "
                         "settings", log_name(self.name), exc_info=True)
             self.tuner.stable = True
@@ -264,7 +288,7 @@ class LoaderTuning:
         with rec.lock:
             step_s, counts = rec.step_h.sum, rec.fetch_h.counts.copy()
         return _Mark(_setting(loader), perf_counter_ns(), rec.batches, rec.samples, step_s,
-                     counts, self._proc())
+                     counts, self._proc(), rec.iters)
 
     def _proc(self) -> tuple[int | None, int | None, int | None]:
         fig = self.rec.workers.proc_figures()
@@ -279,6 +303,12 @@ class LoaderTuning:
         if flush:
             rec.flush()
         end = rec.last_batch_ns if end_ns is None else end_ns
+        if rec.iters > mark.iters + 1:  # another loader of this name ran in the window
+            once.problem(f"tune-shared:{self.name}", "dataloader %r: the tuner cannot judge "
+                         "an epoch while another loader of the same name runs in it (their "
+                         "figures add up); give each loader its own name",
+                         log_name(self.name))
+            return None
         batches = rec.batches - mark.batches
         if batches < MIN_BATCHES or end <= mark.t_ns:
             return None
@@ -287,7 +317,8 @@ class LoaderTuning:
             step_s = rec.step_h.sum - mark.step_s
             counts = rec.fetch_h.counts - mark.fetch_counts
             bounds = rec.fetch_h.bounds
-        done = rec.samples - mark.samples if rec.samples_known else batches
+        known = rec.samples_known
+        done = rec.samples - mark.samples if known else batches
         now = self._proc()
         before = mark.proc
         if before == (None, None, None) and None not in now:
@@ -301,7 +332,7 @@ class LoaderTuning:
         return Epoch(mark.setting, done / wall, max(0.0, min(1.0, 1 - step_s / wall)),
                      shares[0], shares[1], shares[2], self._worker_bytes(),
                      rec.batch_bytes if rec.batch_bytes >= 0 else None,
-                     burstiness(counts, bounds))
+                     burstiness(counts, bounds), "samples" if known else "batches")
 
     def _worker_bytes(self) -> int | None:
         fig = self.rec.workers.proc_figures()
@@ -318,6 +349,11 @@ class LoaderTuning:
         old = compat.persistent_iterator(loader) if getattr(
             loader, "persistent_workers", False) else None
         before = loader.num_workers, loader.prefetch_factor
+        if decision.name == "num_workers" and decision.old == 0:
+            gen = getattr(loader, "generator", None)
+            self.undo = Undo(_setting(loader), before[1],
+                             gen.get_state() if isinstance(gen, torch.Generator) else None,
+                             torch.get_rng_state())
         try:  # both or neither: torch needs a prefetch_factor with workers
             loader.prefetch_factor = s.prefetch if s.workers else None
             loader.num_workers = s.workers
@@ -339,6 +375,40 @@ class LoaderTuning:
         rebuilt = " (its persistent workers start anew)" if old is not None else ""
         log.warning("%s%s", decision.line(log_name(self.name)), rebuilt)
         return seed
+
+    def cannot_run(self, loader: Any, undo: Undo, error: Exception) -> bool:
+        """The change `undo` records could not run: puts the loader's settings and RNGs back
+        as they were before its iter() (so the retried epoch draws the same order) and
+        stops adding workers. False when it cannot (training then sees the error)."""
+        if undo is not self.undo:
+            return False
+        self.undo = None
+        try:
+            with self._lock:
+                now = loader.num_workers
+                loader.num_workers = undo.setting.workers
+                loader.prefetch_factor = undo.prefetch
+                gen = getattr(loader, "generator", None)
+                if undo.generator is not None and isinstance(gen, torch.Generator):
+                    gen.set_state(undo.generator)
+                torch.set_rng_state(undo.cpu)
+                self.tuner.cannot_run(undo.setting)
+                key = ("num_workers", "reverted")
+                self.rec.tuner_changes[key] = self.rec.tuner_changes.get(key, 0) + 1
+        except Exception:
+            log.warning("dataloader %r: the tuner cannot undo its change",
+                        log_name(self.name), exc_info=True)
+            return False
+        lines = str(error).strip().splitlines()
+        said = lines[-1] if lines else ""  # torch's worker traceback ends with the error
+        kind = type(error).__name__
+        said = said[len(kind) + 2:] if said.startswith(f"{kind}: ") else said
+        log.warning("dataloader %r: num_workers %d -> %d: its workers failed (%s: %s); the "
+                    "epoch starts again without them and the tuner adds none",
+                    log_name(self.name), now, undo.setting.workers, kind, said[:200])
+        self._said_stable = False
+        self._say_stable()
+        return True
 
     def _say_stable(self) -> None:
         if not self.tuner.stable or self._said_stable:

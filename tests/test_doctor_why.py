@@ -11,7 +11,7 @@ import pytest
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core.settings import for_loader, parse
-from dataloader_exporter.diagnosis import why
+from dataloader_exporter.diagnosis import tuned, why
 from dataloader_exporter.diagnosis.doctor import Diagnosis
 from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.report import Report, build_report, env_line
@@ -478,3 +478,12 @@ def test_the_env_line_keeps_auto_only_for_the_settings_the_tuner_sets() -> None:
     assert d.tuner is not None and d.tuner.settings == ("num_workers",)
     assert [c["reason"] for c in d.tuner.by_reason] == ["starved"]
     assert env_line(r)[0].endswith("=train.num_workers=auto")
+
+
+def test_only_the_settings_the_tuner_sets_are_held() -> None:
+    # tune=("num_workers",): its advice waits for the tuner; prefetch_factor's does not.
+    d = diagnosis(**BLOCKED, stable=0, changes=TRIED, tuned="num_workers")
+    assert d.tuner is not None and d.tuner.held == ["num_workers"]
+    assert setting(d, "num_workers") is None
+    assert setting(d, "prefetch_factor").value == "4"  # as for the untuned loader
+    assert "no num_workers advice while it sets it" in tuned.line(d.tuner)

@@ -242,3 +242,33 @@ def test_unknown_worker_shares_are_waited_for_then_it_settles() -> None:
     for _ in range(UNSEEN_EPOCHS):
         assert never.observe(blind, budget) is None and not never.stable
     assert never.observe(blind, budget) is None and never.stable
+
+
+def test_cuts_that_each_cost_a_little_do_not_add_up_to_a_slower_job() -> None:
+    budget = Budget(cores=8, memory_room=8 * GiB, shm_room=8 * GiB)
+    tuner = Tuner(Setting(8, 2))
+
+    def epoch(workers: int, rate: float) -> Epoch:
+        return Epoch(Setting(workers, 2), rate, 0.3, running=0.6, waiting_cpu=0.3,
+                     worker_bytes=GiB // 4, batch_bytes=1 << 20)
+
+    cut = tuner.observe(epoch(8, 100.0), budget)
+    assert cut is not None and (cut.reason, cut.new) == ("cpu-contention", 6)
+    again = tuner.observe(epoch(6, 96.0), budget)  # 4% slower: kept, and cut again
+    assert again is not None and again.new == 5
+    back = tuner.observe(epoch(5, 94.0), budget)  # 6% below the 100 it started from
+    assert back is not None and (back.reason, back.new) == ("reverted", 6)
+    assert "fell more than 5% below 100" in back.why
+
+
+def test_rates_restart_when_samples_can_no_longer_be_counted() -> None:
+    budget = Budget(cores=8, memory_room=8 * GiB, shm_room=8 * GiB)
+    tuner = Tuner(Setting(0, 2))
+    grow = tuner.observe(Epoch(Setting(0, 2), 3200.0, 0.6, worker_bytes=GiB // 4,
+                               batch_bytes=1 << 20), budget)
+    assert grow is not None and grow.new == 1
+    # The same epoch rate counted in batches (32 a batch) is no revert: the unit changed.
+    batches = Epoch(Setting(1, 2), 110.0, 0.3, running=0.9, waiting_cpu=0.0,
+                    worker_bytes=GiB // 4, batch_bytes=1 << 20, unit="batches")
+    decision = tuner.observe(batches, budget)
+    assert decision is None or decision.reason != "reverted"

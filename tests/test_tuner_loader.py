@@ -367,3 +367,112 @@ def test_the_first_epoch_with_workers_has_their_shares_with_no_reader(
     assert seen[0].running is None  # no workers: no shares
     assert seen[1].running is not None and seen[1].running > 0.5, seen[1]
     assert seen[1].waiting_cpu is not None
+
+
+class MainProcessOnly(BurnDataset):
+    """Cannot run in a worker (as a dataset that touches CUDA after the fork cannot)."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if torch.utils.data.get_worker_info() is not None:
+            raise RuntimeError("this dataset cannot run in a worker process")
+        return super().__getitem__(i)
+
+
+def test_a_dataset_that_cannot_run_in_a_worker_keeps_training_without_one(
+        registry: CollectorRegistry, tuner_log: pytest.LogCaptureFixture) -> None:
+    """The tuner's first worker fails the first batch: the same epoch starts again without
+    workers, its RNGs as before, so the loop sees exactly the untuned batches."""
+    data = MainProcessOnly(N, cpu=CPU)
+    expected, _ = epochs(torch.utils.data.DataLoader(
+        data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(4)))
+    loader = instrument.DataLoader(data, batch_size=BATCH, shuffle=True, name="main-only",
+                                   generator=torch.Generator().manual_seed(4),
+                                   registry=registry, tune=True)
+    got, workers = epochs(loader)
+    assert workers[:2] == [0, 1] and loader.num_workers == 0  # tried, and back
+    assert same(got, expected)
+    assert "dataloader 'main-only': num_workers 1 -> 0: its workers failed (RuntimeError: " \
+           "this dataset cannot run in a worker process); the epoch starts again without " \
+           "them and the tuner adds none" in tuner_log.text
+    samples = scrape(registry)
+    assert samples[("dataloader_tuner_changes_total", (
+        ("loader", "main-only"), ("rank", "0"), ("reason", "reverted"),
+        ("setting", "num_workers")))] == 1.0
+    assert samples[("dataloader_workers_lost_total", (("loader", "main-only"),
+                                                       ("rank", "0")))] == 0.0
+    assert stable_of(registry, "main-only") == 1.0
+
+
+SPAWN_JOB = """
+import json, sys, torch
+torch.multiprocessing.set_start_method("spawn", force=True)
+sys.path.insert(0, sys.argv[1])
+from torch_helpers import BurnDataset
+from dataloader_exporter import instrument
+
+class Unpicklable(BurnDataset):
+    def __init__(self, n):
+        super().__init__(n, cpu=0.002)
+        self.transform = lambda x: x  # spawn cannot pickle it: no worker can start
+
+def run(loader):
+    out = []
+    for _ in range(3):
+        it = iter(loader)
+        out.append([loader.num_workers, [b[1].tolist() for b in it]])
+    return out
+
+g = lambda: torch.Generator().manual_seed(9)
+bare = run(torch.utils.data.DataLoader(Unpicklable(96), batch_size=8, shuffle=True,
+                                       generator=g()))
+tuned = run(instrument.DataLoader(Unpicklable(96), batch_size=8, shuffle=True,
+                                  generator=g(), name="spawned", tune=True))
+print(json.dumps({"bare": bare, "tuned": tuned}))
+"""
+
+
+def test_a_pool_that_cannot_start_under_spawn_keeps_training_without_one(
+        tmp_path: Any) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "spawn_job.py"
+    script.write_text(SPAWN_JOB)
+    result = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [e[1] for e in out["tuned"]] == [e[1] for e in out["bare"]]
+    assert [e[0] for e in out["tuned"]] == [0, 0, 0]  # tried at the 2nd iter(), and back
+    assert "dataloader 'spawned': num_workers 1 -> 0: its workers failed" in result.stderr
+
+
+def test_a_loader_sharing_its_name_with_another_is_not_judged_on_their_mixed_figures(
+        registry: CollectorRegistry, tuner_log: pytest.LogCaptureFixture) -> None:
+    data = BurnDataset(N, cpu=CPU)
+    train = instrument.DataLoader(data, batch_size=BATCH, registry=registry, tune=True)
+    val = instrument.DataLoader(data, batch_size=BATCH, registry=registry)  # also "default"
+    for _ in range(3):
+        for _ in train:
+            pass
+        for _ in val:
+            pass
+    assert train.num_workers == 0  # never judged: val's batches were in every window
+    assert "dataloader 'default': the tuner cannot judge an epoch while another loader of " \
+           "the same name runs in it" in tuner_log.text
+
+
+def test_an_iterable_dataset_with_persistent_workers_is_only_advised(
+        registry: CollectorRegistry, tuner_log: pytest.LogCaptureFixture) -> None:
+    loader = instrument.DataLoader(RangeIterable(N), batch_size=BATCH, num_workers=1,
+                                   persistent_workers=True, name="kept", registry=registry,
+                                   tune=True)
+    bare = torch.utils.data.DataLoader(RangeIterable(N), batch_size=BATCH, num_workers=1,
+                                       persistent_workers=True)
+    got = [[b.clone() for b in loader] for _ in range(3)]
+    expected = [[b.clone() for b in bare] for _ in range(3)]
+    assert same(got, expected) and loader.prefetch_factor == 2
+    assert "its IterableDataset's stream lives in its persistent workers" in tuner_log.text
+    assert stable_of(registry, "kept") is None
