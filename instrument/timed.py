@@ -110,6 +110,8 @@ def instrumented_iter(loader: Any, dle: Instruments, torch_iter: Callable[[Any],
     timed = TimedIterator(it, dle, start, gen, plan.count)
     if undo is not None:  # its first batch may fail in the workers: the same epoch without
         timed._retry = _retry(loader, dle, undo, torch_iter)
+    if dle.tuning is not None and dle.tuning.resumable and not dle.tuning.tuner.stable:
+        timed._resume = _resumer(loader, dle, torch_iter)
     return timed
 
 
@@ -131,6 +133,25 @@ def _retry(loader: Any, dle: Instruments, undo: Any, torch_iter: Callable[[Any],
         plan = _Plan(loader, dle, False)
         return _start(loader, plan, torch_iter), plan.count
     return retry
+
+
+def _resumer(loader: Any, dle: Instruments, torch_iter: Callable[[Any], Any]
+             ) -> Callable[[], tuple[Any, int, Counter] | None]:
+    """For a tuned loader that resumes exactly from its state_dict(): at the loop's
+    readings, the tuner's pending mid-epoch change made (tuning.resume) and the iterator
+    that goes on from the same batch under it, with its workers' hook and tracking."""
+    def resume() -> tuple[Any, int, Counter] | None:
+        tuning = dle.tuning
+        if tuning is None or tuning.pending is None or not tuning.resume(loader):
+            return None
+        dle.forget_workers()  # the old pool ends with its iterator, on purpose
+        dle.rec.iters -= 1  # the same epoch, planned again
+        plan = _Plan(loader, dle, False)
+        it = _start(loader, plan, torch_iter)
+        gen = dle.track(it, plan.block) if plan.workers else 0
+        tuning.remark(loader)
+        return it, gen, plan.count
+    return resume
 
 
 def prestart(loader: Any, dle: Instruments, state_dict: Callable[[Any], Any]) -> Any:
@@ -167,7 +188,7 @@ class TimedIterator:
     """Times each next() of the iterator it holds; everything else passes through."""
 
     __slots__ = ("__weakref__", "_count", "_done", "_gen", "_it", "_last", "_owner", "_probe",
-                 "_rec", "_retry", "_start")
+                 "_rec", "_resume", "_retry", "_start")
 
     def __init__(self, it: Any, owner: Instruments, start_ns: int, gen: int = 0,
                  count: Counter = loader_len) -> None:
@@ -183,6 +204,8 @@ class TimedIterator:
         self._probe = owner.probe_at(it) if owner.tuning_now else 0
         # The tuner's way back when its first worker pool fails its first batch.
         self._retry: Callable[[Exception], tuple[Any, Counter] | None] | None = None
+        # The tuner's mid-epoch change of a loader that resumes from its state_dict().
+        self._resume: Callable[[], tuple[Any, int, Counter] | None] | None = None
 
     def __iter__(self) -> TimedIterator:
         return self
@@ -217,6 +240,8 @@ class TimedIterator:
         rec.batches += 1
         if rec.batches == self._probe:
             self._probe = self._owner.probed(self._probe)
+            if self._resume is not None:
+                self._resumed()
         try:  # free in CPython 3.11 unless it raises; an odd batch must not stop training
             n = self._count(batch)
             if n is None:
@@ -228,6 +253,20 @@ class TimedIterator:
         except Exception as e:
             reraise_torch_worker_error(e)
         return batch
+
+    def _resumed(self) -> None:
+        """The tuner's pending mid-epoch change, if any: the iterator from here on."""
+        try:
+            got = self._resume() if self._resume is not None else None
+        except Exception as e:
+            reraise_torch_worker_error(e)
+            log.warning("the tuner's mid-epoch change failed; the epoch goes on as it was",
+                        exc_info=True)
+            self._resume = None
+            return
+        if got is not None:
+            self._it, self._gen, self._count = got
+            self._probe = self._owner.probe_at(self._it) if self._owner.tuning_now else 0
 
     def _finish(self, clean: bool, exc: BaseException | None = None) -> None:
         if clean and self._done:

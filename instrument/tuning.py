@@ -23,9 +23,12 @@ shuffling order it drives) advances exactly as without the rebuild. Map-style ba
 come in the same order whatever the worker count. An IterableDataset's worker count
 decides how it is split: the tuner never changes it there.
 
-An epoch still running after LONG_EPOCH (one-epoch pre-training) is judged as advice only:
-a change needs a new iterator, and no torch loader resumes mid-epoch under another worker
-count (torchdata's StatefulDataLoader refuses a state saved with a different num_workers).
+An epoch still running after LONG_EPOCH (one-epoch pre-training) is judged in the loop. A
+loader that resumes exactly from its state_dict() (torchdata's StatefulDataLoader) takes a
+prefetch_factor change there: state_dict(), the setting, load_state_dict() and a new
+iterator from the same batch (resume(), timed._resumer). A num_workers change is only
+said: no torch loader resumes mid-epoch under another worker count (torchdata refuses a
+state saved with a different num_workers).
 So is a loader whose sampler draws its order when an iterator is built (_order_bound),
 where a new pool would change the order.
 """
@@ -236,6 +239,11 @@ class LoaderTuning:
         self._said_stable = False
         self._advised = False
         self.undo: Undo | None = None  # armed by a change from no workers, for one iter()
+        # A loader that resumes exactly from its state_dict() (torchdata's
+        # StatefulDataLoader) takes a prefetch_factor change mid-epoch (resume()).
+        self.resumable = (callable(getattr(loader, "state_dict", None))
+                          and callable(getattr(loader, "load_state_dict", None)))
+        self.pending: Decision | None = None  # decided in a long epoch, made at resume()
         rec.on_flush = self.tick
         self.tuned = tuple(k for k in knobs if k != "num_workers" or workers)
         if self.advice_only:
@@ -259,7 +267,10 @@ class LoaderTuning:
                 seed = None
                 self.undo = None
                 mark, self._mark = self._mark, None
-                if mark is not None and not self.tuner.stable:
+                pending, self.pending = self.pending, None
+                if pending is not None:  # decided in a long epoch that ended first: now
+                    seed = self._apply(loader, pending, forget_workers)
+                elif mark is not None and not self.tuner.stable:
                     epoch = self._epoch(mark)
                     if epoch is not None and self.advice_only:
                         self._advise(copy.deepcopy(self.tuner).observe(epoch, budget()),
@@ -429,10 +440,12 @@ class LoaderTuning:
                         self.tuner.current.prefetch, ENV_SETTINGS, line)
 
     def tick(self) -> None:
-        """After a flush (a reader's thread): an epoch running past LONG_EPOCH is judged
-        once, and what the tuner would set is said, not applied."""
+        """After a flush (a reader's thread, or the loop's own reading): an epoch running
+        past LONG_EPOCH is judged. A prefetch_factor change of a loader that resumes
+        exactly from its state_dict() is decided, to be made at the loop's next reading
+        (resume()); anything else is said once, not applied."""
         mark = self._mark
-        if self._advised or mark is None or self.tuner.stable:
+        if self._advised or mark is None or self.tuner.stable or self.pending is not None:
             return
         now = perf_counter_ns()
         if (now - mark.t_ns) / 1e9 < LONG_EPOCH:
@@ -440,13 +453,63 @@ class LoaderTuning:
         with self._lock:
             if self._advised or self._mark is not mark:
                 return
-            self._advised = True
             epoch = self._epoch(mark, flush=False, end_ns=now)
             if epoch is None:
                 return
-            decision = copy.deepcopy(self.tuner).observe(epoch, budget())
-        self._advise(decision, f"its epoch has run {(now - mark.t_ns) / 1e9:.0f} s, and a "
-                     "change needs a new iterator")
+            self._advised = True
+            room = budget()
+            decision = copy.deepcopy(self.tuner).observe(epoch, room)
+            if (self.resumable and not self.advice_only
+                    and (decision is None or decision.name == "prefetch_factor")):
+                self.pending = self.tuner.observe(epoch, room)  # the same, made
+                if self.pending is None:
+                    self._say_stable()
+                return
+        because = (f"its epoch has run {(now - mark.t_ns) / 1e9:.0f} s, and a change needs a "
+                   "new iterator")
+        if self.resumable and decision is not None and decision.name == "num_workers":
+            because += (" (a state_dict() saved under one num_workers does not resume under "
+                        "another)")
+        self._advise(decision, because)
+
+    def resume(self, loader: Any) -> bool:
+        """In the loop, mid-epoch: makes the pending prefetch_factor change of a loader
+        that resumes exactly: its state_dict() now, the new setting, load_state_dict(); the
+        caller then builds its next iterator, which goes on from that very batch. False
+        when there is none to make or it could not be made (the loader keeps its
+        setting, and the tuner stops)."""
+        with self._lock:
+            decision, self.pending = self.pending, None
+            if decision is None:
+                return False
+            before = loader.prefetch_factor
+            try:
+                state = loader.state_dict()
+                loader.prefetch_factor = decision.setting.prefetch
+                loader.load_state_dict(state)
+            except Exception as e:
+                with contextlib.suppress(Exception):
+                    loader.prefetch_factor = before
+                if is_torch_worker_error(e):
+                    raise
+                log.warning("dataloader %r: the tuner cannot resume it mid-epoch; it keeps "
+                            "its settings and the tuner stops", log_name(self.name),
+                            exc_info=True)
+                self.tuner.stable = True
+                self.rec.tuner_stable = None
+                return False
+            key = (decision.name, decision.reason)
+            self.rec.tuner_changes[key] = self.rec.tuner_changes.get(key, 0) + 1
+            log.warning("%s (mid-epoch: resumed from its state_dict())",
+                        decision.line(log_name(self.name)))
+            return True
+
+    def remark(self, loader: Any) -> None:
+        """A mid-epoch change was made: the window judged next starts now."""
+        with self._lock:
+            self._mark = self._take_mark(loader)
+            self._advised = False
+            self._say_stable()
 
     def _advise(self, decision: Decision | None, because: str) -> None:
         """Says what the tuner would set, once, without setting it."""

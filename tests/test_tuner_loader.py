@@ -476,3 +476,53 @@ def test_an_iterable_dataset_with_persistent_workers_is_only_advised(
     assert same(got, expected) and loader.prefetch_factor == 2
     assert "its IterableDataset's stream lives in its persistent workers" in tuner_log.text
     assert stable_of(registry, "kept") is None
+
+
+class Bursty(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Instant samples, but every 16th waits 30 ms (a slow read): the loop waits in
+    bursts while the worker mostly sleeps."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i % 16 == 15:
+            import time
+            time.sleep(0.03)
+        return torch.tensor([i])
+
+
+def test_a_long_epoch_of_a_stateful_loader_gets_its_queue_deepened_mid_epoch(
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch,
+        tuner_log: pytest.LogCaptureFixture) -> None:
+    """One long epoch (LONG_EPOCH made short): torchdata's StatefulDataLoader resumes
+    exactly from its state_dict(), so the tuner deepens its queue mid-epoch, through
+    state_dict(), the new prefetch_factor and load_state_dict(); the loop sees the very
+    batches of the untuned loader, and the old pool's worker is gone."""
+    sdl = require_module("torchdata.stateful_dataloader")
+    monkeypatch.setattr(tuning, "LONG_EPOCH", 0.2)
+    monkeypatch.setenv("DATALOADER_EXPORTER_SETTINGS", "long-stateful.prefetch_factor=auto")
+
+    def build() -> Any:
+        return sdl.StatefulDataLoader(Bursty(480), batch_size=1, shuffle=True,
+                                      num_workers=1, generator=torch.Generator().manual_seed(5))
+
+    expected = [b.clone() for b in build()]
+    loader = instrument.wrap(build(), name="long-stateful", registry=registry)
+    it = iter(loader)
+    got, prefetch, pids = [], [], []
+    for b in it:
+        got.append(b.clone())
+        prefetch.append(loader.prefetch_factor)
+        pids.append(tuple(compat.worker_pids(compat.persistent_iterator(loader) or it._it)))
+    assert same([got], [expected])
+    # Deepened mid-epoch (and back if that trial did not pay, as it may not here).
+    assert prefetch[0] == 2 and 4 in prefetch, sorted(set(prefetch))
+    assert "dataloader 'long-stateful': prefetch_factor 2 -> 4: the loop waited" in \
+        tuner_log.text
+    assert "(mid-epoch: resumed from its state_dict())" in tuner_log.text
+    first = pids[0]
+    assert first and first != pids[-1] and not [p for p in first if _running(p)]
