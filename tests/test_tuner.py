@@ -227,12 +227,18 @@ def test_auto_is_a_value_for_the_tunable_settings_only() -> None:
     assert format_settings("train", {"num_workers": AUTO}) == "train.num_workers=auto"
 
 
+def first_worker(rate: float, budget: Budget) -> Tuner:
+    """A tuner that has just given a loop without workers (at `rate`) its first one."""
+    tuner = Tuner(Setting(0, 2))
+    first = tuner.observe(Epoch(Setting(0, 2), rate, 0.6, worker_bytes=GiB // 4,
+                                batch_bytes=1 << 20), budget)
+    assert first is not None and (first.reason, first.new) == ("starved", 1)
+    return tuner
+
+
 def test_unknown_worker_shares_are_waited_for_then_it_settles() -> None:
     budget = Budget(cores=4, memory_room=8 * GiB, shm_room=8 * GiB)
-    tuner = Tuner(Setting(0, 2))
-    first = tuner.observe(Epoch(Setting(0, 2), 100.0, 0.6, worker_bytes=GiB // 4,
-                                batch_bytes=1 << 20), budget)
-    assert first is not None and first.new == 1
+    tuner = first_worker(100.0, budget)
     blind = Epoch(Setting(1, 2), 180.0, 0.4, worker_bytes=GiB // 4, batch_bytes=1 << 20)
     assert tuner.observe(blind, budget) is None and not tuner.stable  # kept: 180 > 105
     seen = replace(blind, running=0.95, waiting_cpu=0.02)
@@ -263,10 +269,7 @@ def test_cuts_that_each_cost_a_little_do_not_add_up_to_a_slower_job() -> None:
 
 def test_rates_restart_when_samples_can_no_longer_be_counted() -> None:
     budget = Budget(cores=8, memory_room=8 * GiB, shm_room=8 * GiB)
-    tuner = Tuner(Setting(0, 2))
-    grow = tuner.observe(Epoch(Setting(0, 2), 3200.0, 0.6, worker_bytes=GiB // 4,
-                               batch_bytes=1 << 20), budget)
-    assert grow is not None and grow.new == 1
+    tuner = first_worker(3200.0, budget)
     # The same epoch rate counted in batches (32 a batch) is no revert: the unit changed.
     batches = Epoch(Setting(1, 2), 110.0, 0.3, running=0.9, waiting_cpu=0.0,
                     worker_bytes=GiB // 4, batch_bytes=1 << 20, unit="batches")
