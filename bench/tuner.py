@@ -43,8 +43,7 @@ from dataloader_exporter import instrument
 from dataloader_exporter.core import advisor
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core.env import ENV_DIR
-from dataloader_exporter.demo import BATCH, NoisyImages, model, train_step
-from dataloader_exporter.instrument.env import current_rank
+from dataloader_exporter.demo import BATCH, NoisyImages, model, train_step, tuner_settled
 from dataloader_exporter.instrument.tuning import MIN_BATCHES
 
 MIN_RATIO = 0.90  # the issue's goal: tuned samples/s over the best fixed count's
@@ -68,7 +67,7 @@ class Run:
     def epoch(self, registry: CollectorRegistry, round_: int) -> None:
         start = time.perf_counter()
         it = iter(self.loader)  # where the tuner changes the settings, or settles
-        if self.settled_at is None and self.loader.tune and _stable(registry, self.name):
+        if self.settled_at is None and self.loader.tune and tuner_settled(registry, self.name):
             self.settled_at = round_
         seen = 0
         for batch in it:
@@ -86,14 +85,6 @@ class Run:
         if self.loader.num_workers and self.loader.prefetch_factor is not None:
             out["prefetch_factor"] = self.loader.prefetch_factor
         return out
-
-
-def _stable(registry: CollectorRegistry, name: str) -> bool:
-    """Whether the tuner has settled (its gauge also names the settings it tunes)."""
-    rank = current_rank()
-    return any(s.value == 1.0 for f in registry.collect() if f.name == cat.TUNER_STABLE.name
-               for s in f.samples
-               if s.labels.get("loader") == name and s.labels.get("rank") == rank)
 
 
 def _changes(registry: CollectorRegistry, name: str) -> dict[str, float]:

@@ -90,8 +90,9 @@ def _progress(line: str, final: bool = False) -> None:
         print(line, flush=True)
 
 
-def _stable(registry: Any, name: str) -> bool:
-    """Whether the loader's tuner has settled (read after iter(), where it decides)."""
+def tuner_settled(registry: Any, name: str) -> bool:
+    """Whether the loader's tuner has settled, from its registry (read after iter(),
+    where it decides); the convergence bench reads it the same way."""
     rank = current_rank()
     return any(s.value == 1.0 for f in registry.collect() if f.name == cat.TUNER_STABLE.name
                for s in f.samples
@@ -126,7 +127,7 @@ def run_phase(name: str, settings: dict[str, Any], seconds: float, samples: int,
             scrape = Scrape.parse(generate_latest(registry).decode())
         start = time.perf_counter()
         epoch = iter(loader)  # where the tuner changes the settings, or settles
-        if before is None and (not tune or _stable(registry, name)):
+        if before is None and (not tune or tuner_settled(registry, name)):
             before, first = scrape, len(walls)
         seen = 0
         for batch in epoch:
@@ -148,7 +149,7 @@ def run_phase(name: str, settings: dict[str, Any], seconds: float, samples: int,
     n, wall = len(walls) - first, sum(walls[first:])
     rate = sum(counts[first:]) / wall
     measured = (f"all {n} epochs" if not tune else
-                f"last {n} of {len(walls)} epochs, settled" if _stable(registry, name) else
+                f"last {n} of {len(walls)} epochs, settled" if tuner_settled(registry, name) else
                 f"last {n} of {len(walls)} epochs, still tuning")
     used = settings
     if tune:  # what its measured epochs ran with

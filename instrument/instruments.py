@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import weakref
 from time import perf_counter_ns
 from typing import Any
@@ -110,10 +109,10 @@ class Instruments:
             if not knobs:
                 return None
             if not isinstance(loader, torch.utils.data.DataLoader):
-                once = envsettings.once
-                once.problem(f"tune-kind:{self.name}", "dataloader %r: %s is not tuned: "
-                             "the tuner sets a torch DataLoader's settings only",
-                             log_name(self.name), type(loader).__qualname__)
+                envsettings.once.problem(
+                    f"tune-kind:{self.name}", "dataloader %r: %s is not tuned: the tuner sets "
+                    "a torch DataLoader's settings only", log_name(self.name),
+                    type(loader).__qualname__)
                 return None
             try:
                 self.tuning = LoaderTuning(self.name, knobs, loader, self.rec)
@@ -151,15 +150,18 @@ class Instruments:
         return 0 if at >= last else min(at + step, last)
 
     def probed(self, at: int) -> int:
-        """Reads the loader's figures now (a probe_at count was reached); the next count.
+        """A probe_at count was reached: the loader's figures read now; the next count."""
+        self._read()
+        return self._next_probe(at)
+
+    def _read(self) -> None:
+        """The tuner's reading of the loader's figures, its workers' past their interval.
         Never raises into the loop but torch's word that a worker died."""
         try:
-            self.rec.flush()
-            self.rec.workers.refresh(time.monotonic(), batches=self.rec.batches, force=True)
+            self.rec.flush(force=True)
         except Exception as e:
             reraise_torch_worker_error(e)
             log.debug("the tuner's reading failed", exc_info=True)
-        return self._next_probe(at)
 
     def forget_workers(self) -> None:
         """The tracked pool was shut down on purpose (the tuner rebuilds it)."""
@@ -168,12 +170,14 @@ class Instruments:
             self._last_gen = 0
         self._last_it = None
 
-    def start_epoch(self, loader: Any) -> None:
+    def start_epoch(self, loader: Any, again: bool = False) -> None:
         """At iter(): the loader's settings. The epoch itself starts at its first batch (a
-        framework may call iter() to probe a loader and fetch nothing)."""
+        framework may call iter() to probe a loader and fetch nothing). again: the same
+        iter() planned anew (the tuner undid or resumed a change), not one more."""
         self.config = LoaderConfig.of(loader)
         rec = self.rec
-        rec.iters += 1
+        if not again:
+            rec.iters += 1
         rec.workers.report = self.failed  # failures are said with this loader's settings
         shm = shm_space(SHM_PATH)  # the trainer's own, which a doctor elsewhere cannot see
         rec.config = {"loader": self.name, "rank": rec.rank, **self.config.labels(),
@@ -214,7 +218,7 @@ class Instruments:
         rec = self.rec
         rec.first.append(since_iter_ns)
         if self.tuning_now:  # the workers' first sample of the epoch (tuning.py)
-            self.probed(0)
+            self._read()
         self.iterated = True
         self.epochs += 1
         rec.epochs += 1
@@ -232,7 +236,7 @@ class Instruments:
     def end(self, gen: int) -> None:
         """The iterator is exhausted (StopIteration)."""
         if self.tuning_now:  # the workers' last figures, before they stop
-            self.probed(0)
+            self._read()
         if gen and not self.config.persistent_workers:
             self.rec.workers.stop(gen)  # torch has shut these workers down on purpose
         self.hub.flush_now()

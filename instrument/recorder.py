@@ -105,8 +105,9 @@ class LoaderRecorder:
         self.step_h = Histo(cat.STEP.buckets)
         self.first_h = Histo(cat.FIRST_BATCH.buckets)
 
-    def flush(self, now: float | None = None) -> None:
-        """Moves raw measurements into histograms and refreshes worker liveness."""
+    def flush(self, now: float | None = None, force: bool = False) -> None:
+        """Moves raw measurements into histograms and refreshes worker liveness (force:
+        the workers read now, past their interval: the tuner's readings)."""
         with self.lock:
             self.fetch_h.add_ns(_drain(self.fetch))
             self.step_h.add_ns(_drain(self.step))
@@ -114,7 +115,8 @@ class LoaderRecorder:
             self.transfer_h.add_ns(_drain(self.transfer) + self._completed_events())
         if self.samples_known and self.workers.miscounted():
             self.samples_known = False
-        self.workers.refresh(time.monotonic() if now is None else now, batches=self.batches)
+        self.workers.refresh(time.monotonic() if now is None else now, batches=self.batches,
+                             force=force)
         if self.on_flush is not None:
             with contextlib.suppress(Exception):  # advice must never break a scrape
                 self.on_flush()

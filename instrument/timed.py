@@ -43,8 +43,9 @@ class _Plan:
     """What instrumented_iter hands torch's iterator: a collate_fn for its new workers (or
     to check a custom collate_fn's counts in the main process), and their block."""
 
-    def __init__(self, loader: Any, dle: Instruments, quiet: bool) -> None:
-        dle.start_epoch(loader)
+    def __init__(self, loader: Any, dle: Instruments, quiet: bool, again: bool = False
+                 ) -> None:
+        dle.start_epoch(loader, again)
         self.count = counter_for(loader)
         workers = getattr(loader, "num_workers", 0) or 0
         verify = self.count is batch_len and not quiet
@@ -94,9 +95,7 @@ def instrumented_iter(loader: Any, dle: Instruments, torch_iter: Callable[[Any],
     except Exception as e:  # the tuner's first pool could not start: without it
         if undo is None or dle.tuning is None or not dle.tuning.cannot_run(loader, undo, e):
             raise
-        dle.rec.iters -= 1  # the same iter(), planned again
-        plan = _Plan(loader, dle, quiet)
-        it = _start(loader, plan, torch_iter)
+        plan, it = _again(loader, dle, torch_iter, quiet)
         undo = None
     if torch_iter_as_is is not TORCH_ITER and inspect.isgenerator(it):
         lazy(torch_iter_as_is)
@@ -120,6 +119,14 @@ def _start(loader: Any, plan: _Plan, torch_iter: Callable[[Any], Any]) -> Any:
         loader)
 
 
+def _again(loader: Any, dle: Instruments, torch_iter: Callable[[Any], Any],
+           quiet: bool = False) -> tuple[_Plan, Any]:
+    """The same iter() planned and started anew, under the setting the tuner made or
+    undid: its plan and torch's iterator."""
+    plan = _Plan(loader, dle, quiet, again=True)
+    return plan, _start(loader, plan, torch_iter)
+
+
 def _retry(loader: Any, dle: Instruments, undo: Any, torch_iter: Callable[[Any], Any]
            ) -> Callable[[Exception], tuple[Any, Counter] | None]:
     """For the first batch of the tuner's first worker pool: when it fails, the same
@@ -129,9 +136,8 @@ def _retry(loader: Any, dle: Instruments, undo: Any, torch_iter: Callable[[Any],
         if dle.tuning is None or not dle.tuning.cannot_run(loader, undo, error):
             return None
         dle.forget_workers()  # ended on purpose: the failed pool goes with its iterator
-        dle.rec.iters -= 1  # the same iter(), planned again
-        plan = _Plan(loader, dle, False)
-        return _start(loader, plan, torch_iter), plan.count
+        plan, it = _again(loader, dle, torch_iter)
+        return it, plan.count
     return retry
 
 
@@ -145,9 +151,7 @@ def _resumer(loader: Any, dle: Instruments, torch_iter: Callable[[Any], Any]
         if tuning is None or tuning.pending is None or not tuning.resume(loader):
             return None
         dle.forget_workers()  # the old pool ends with its iterator, on purpose
-        dle.rec.iters -= 1  # the same epoch, planned again
-        plan = _Plan(loader, dle, False)
-        it = _start(loader, plan, torch_iter)
+        plan, it = _again(loader, dle, torch_iter)
         gen = dle.track(it, plan.block) if plan.workers else 0
         tuning.remark(loader)
         return it, gen, plan.count
@@ -241,7 +245,7 @@ class TimedIterator:
         if rec.batches == self._probe:
             self._probe = self._owner.probed(self._probe)
             if self._resume is not None:
-                self._resumed()
+                self._resumed(self._resume)
         try:  # free in CPython 3.11 unless it raises; an odd batch must not stop training
             n = self._count(batch)
             if n is None:
@@ -254,10 +258,10 @@ class TimedIterator:
             reraise_torch_worker_error(e)
         return batch
 
-    def _resumed(self) -> None:
+    def _resumed(self, resume: Callable[[], tuple[Any, int, Counter] | None]) -> None:
         """The tuner's pending mid-epoch change, if any: the iterator from here on."""
         try:
-            got = self._resume() if self._resume is not None else None
+            got = resume()
         except Exception as e:
             reraise_torch_worker_error(e)
             log.warning("the tuner's mid-epoch change failed; the epoch goes on as it was",

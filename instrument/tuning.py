@@ -70,6 +70,7 @@ from . import compat
 from .env import local_world_size
 from .envsettings import once
 from .failures import is_torch_worker_error
+from .procstat import Figures
 from .recorder import LoaderRecorder
 
 log = logging.getLogger("dataloader_exporter.instrument")
@@ -145,6 +146,23 @@ def burstiness(counts: np.ndarray, bounds: tuple[float, ...]) -> float | None:
 
 def _text(s: Setting) -> str:
     return f"num_workers={s.workers}, prefetch_factor={s.prefetch}"
+
+
+def _times(fig: Figures | None) -> tuple[int | None, int | None, int | None]:
+    """The workers' running, waiting-for-a-CPU and blocked nanoseconds so far."""
+    if fig is None:
+        return None, None, None
+    return fig.running_ns, fig.waiting_ns, fig.blocked_ns
+
+
+def _worker_bytes(fig: Figures | None, active: int) -> int | None:
+    """The memory one worker takes: PSS per live worker, else the largest worker's RSS,
+    else (no worker read yet) the training process's own RSS."""
+    if fig is not None and active and fig.pss_bytes:
+        return fig.pss_bytes // active
+    if fig is not None and fig.max_rss_bytes:
+        return fig.max_rss_bytes
+    return _own_rss()
 
 
 def _setting(loader: Any) -> Setting:
@@ -299,13 +317,7 @@ class LoaderTuning:
         with rec.lock:
             step_s, counts = rec.step_h.sum, rec.fetch_h.counts.copy()
         return _Mark(_setting(loader), perf_counter_ns(), rec.batches, rec.samples, step_s,
-                     counts, self._proc(), rec.iters)
-
-    def _proc(self) -> tuple[int | None, int | None, int | None]:
-        fig = self.rec.workers.proc_figures()
-        if fig is None:
-            return None, None, None
-        return fig.running_ns, fig.waiting_ns, fig.blocked_ns
+                     counts, _times(rec.workers.proc_figures()), rec.iters)
 
     def _epoch(self, mark: _Mark, flush: bool = True, end_ns: int | None = None
                ) -> Epoch | None:
@@ -330,7 +342,8 @@ class LoaderTuning:
             bounds = rec.fetch_h.bounds
         known = rec.samples_known
         done = rec.samples - mark.samples if known else batches
-        now = self._proc()
+        fig = rec.workers.proc_figures()  # read once for the shares and the memory
+        now = _times(fig)
         before = mark.proc
         if before == (None, None, None) and None not in now:
             before = (0, 0, 0)  # no worker sampled at the mark: the sums began at 0 since
@@ -341,18 +354,10 @@ class LoaderTuning:
             if total > 0:
                 shares = [s / total for s in spent]
         return Epoch(mark.setting, done / wall, max(0.0, min(1.0, 1 - step_s / wall)),
-                     shares[0], shares[1], shares[2], self._worker_bytes(),
+                     shares[0], shares[1], shares[2],
+                     _worker_bytes(fig, rec.workers.active or 0),
                      rec.batch_bytes if rec.batch_bytes >= 0 else None,
                      burstiness(counts, bounds), "samples" if known else "batches")
-
-    def _worker_bytes(self) -> int | None:
-        fig = self.rec.workers.proc_figures()
-        active = self.rec.workers.active or 0
-        if fig is not None and active and fig.pss_bytes:
-            return fig.pss_bytes // active
-        if fig is not None and fig.max_rss_bytes:
-            return fig.max_rss_bytes
-        return _own_rss()
 
     def _apply(self, loader: Any, decision: Decision,
                forget_workers: Callable[[], None]) -> int | None:
@@ -381,11 +386,15 @@ class LoaderTuning:
         if old is not None:  # the pool torch would have reused had the old settings
             seed = compat.base_seed(old)
             forget_workers()
-        key = (decision.name, decision.reason)
-        self.rec.tuner_changes[key] = self.rec.tuner_changes.get(key, 0) + 1
+        self._count(decision.name, decision.reason)
         rebuilt = " (its persistent workers start anew)" if old is not None else ""
         log.warning("%s%s", decision.line(log_name(self.name)), rebuilt)
         return seed
+
+    def _count(self, setting: str, reason: str) -> None:
+        """One change made, in dataloader_tuner_changes_total."""
+        changes = self.rec.tuner_changes
+        changes[(setting, reason)] = changes.get((setting, reason), 0) + 1
 
     def cannot_run(self, loader: Any, undo: Undo, error: Exception) -> bool:
         """The change `undo` records could not run: puts the loader's settings and RNGs back
@@ -404,8 +413,7 @@ class LoaderTuning:
                     gen.set_state(undo.generator)
                 torch.set_rng_state(undo.cpu)
                 self.tuner.cannot_run(undo.setting)
-                key = ("num_workers", "reverted")
-                self.rec.tuner_changes[key] = self.rec.tuner_changes.get(key, 0) + 1
+                self._count("num_workers", "reverted")
         except Exception:
             log.warning("dataloader %r: the tuner cannot undo its change",
                         log_name(self.name), exc_info=True)
@@ -498,8 +506,7 @@ class LoaderTuning:
                 self.tuner.stable = True
                 self.rec.tuner_stable = None
                 return False
-            key = (decision.name, decision.reason)
-            self.rec.tuner_changes[key] = self.rec.tuner_changes.get(key, 0) + 1
+            self._count(decision.name, decision.reason)
             log.warning("%s (mid-epoch: resumed from its state_dict())",
                         decision.line(log_name(self.name)))
             return True
