@@ -2,8 +2,8 @@
 
 The real CLI always uses the real pynvml, and there is no GPU here, so the scrape
 benchmark starts this instead: the same registry (Supervisor over trainer, gpu, shm and
-host collectors, via exporter.sources.attach) served by exporter.http.serve, and the same
-"listening on http://..." line on stderr. Only the NVML binding differs: tests/fake_nvml.py.
+host collectors, via exporter.sources.attach) served by exporter.web.server.serve, and the same
+"listening on http://..." line on stderr. Only the NVML binding differs: tests/support/fake_nvml.py.
 
     python bench/_exporter_with_fake_nvml.py --metrics-dir DIR [--gpus 8]
         [--web.listen-address 127.0.0.1:0] [--stale-after SECONDS]
@@ -24,17 +24,17 @@ from prometheus_client import CollectorRegistry
 
 from dataloader_exporter import __version__
 from dataloader_exporter.exporter.collectors.base import SourceCollector
-from dataloader_exporter.exporter.collectors.gpu import GpuCollector
+from dataloader_exporter.exporter.collectors.gpu_nvml import GpuCollector
 from dataloader_exporter.exporter.collectors.host import HostCollector
-from dataloader_exporter.exporter.collectors.shm import ShmCollector
+from dataloader_exporter.exporter.collectors.shm_usage import ShmCollector
 from dataloader_exporter.exporter.collectors.trainer import TrainerCollector
 from dataloader_exporter.exporter.config import parse_address
-from dataloader_exporter.exporter.http import serve
 from dataloader_exporter.exporter.sources import attach
+from dataloader_exporter.exporter.web.server import serve
 
-# tests/ is not a package: import the fake from its directory.
+# tests/ is not a package: import the fake from tests/support/ with tests/ on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from fake_nvml import FakeGpu, FakeNvml  # type: ignore[import-not-found]
+from support.fake_nvml import FakeGpu, FakeNvml  # type: ignore[import-not-found]
 
 log = logging.getLogger("dataloader_exporter.exporter")
 
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, port = parse_address(args.listen)
-    # The CLI's order: trainer first, then gpu, shm and host (exporter.command.run_serve).
+    # The CLI's order: trainer first, then gpu, shm and host (exporter.serve_cli.run_serve).
     sources: list[SourceCollector] = [
         TrainerCollector(args.metrics_dir, args.stale_after),
         GpuCollector(nvml=fake_nvml(args.gpus)), ShmCollector(), HostCollector()]

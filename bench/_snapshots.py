@@ -35,7 +35,7 @@ def write_rank_files(directory: Path, ranks: int = 8, loaders: Sequence[str] = L
     saved = os.environ.get("RANK")
     try:
         for rank in range(ranks):
-            os.environ["RANK"] = str(rank)  # instrument.env.current_rank() reads $RANK
+            os.environ["RANK"] = str(rank)  # instrument.rank.current_rank() reads $RANK
             registry = CollectorRegistry()
             for name in loaders:
                 loader = instrument.DataLoader(dataset, batch_size=4, name=name,

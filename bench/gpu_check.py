@@ -40,8 +40,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.core.env import ENV_DIR
-from dataloader_exporter.instrument.env import current_rank
+from dataloader_exporter.core.envnames import ENV_DIR
+from dataloader_exporter.instrument.rank import current_rank
 
 BATCH, WIDTH, BATCHES = 64, 32_768, 40  # 8 MiB batches: a copy takes ~10x its host-side launch
 SANE_FACTOR = 3.0  # instrumented transfer time vs the reference, either way
@@ -79,7 +79,7 @@ def check_events_and_bytes(dev: torch.device) -> list[Result]:
         refs.append((start, end))
         nbytes += sum(t.nbytes for t in batch)
         kept = kept or (batch, out)
-    rec = getattr(getattr(loader, "_dle", None), "rec", None)  # private: informational only
+    rec = getattr(getattr(loader, "_instruments", None), "rec", None)  # private: informational only
     pending = len(rec.pending_events) if rec is not None else None
     torch.cuda.synchronize()
     assert kept is not None
@@ -219,9 +219,9 @@ def check_overlap(dev: torch.device, batches: int = 60, rounds: int = 3) -> Resu
 
 def check_nvml(nvml: Any = None, deadline_s: float = 10.0) -> Result:
     try:
-        from dataloader_exporter.exporter.collectors.gpu import GpuCollector
+        from dataloader_exporter.exporter.collectors.gpu_nvml import GpuCollector
     except ImportError as e:
-        return "SKIP", "nvml", {"reason": f"no exporter.collectors.gpu ({e})"}
+        return "SKIP", "nvml", {"reason": f"no exporter.collectors.gpu_nvml ({e})"}
     try:
         collector = GpuCollector(nvml=nvml, call_timeout=10.0)  # the first nvmlInit can be slow
     except TypeError:

@@ -45,8 +45,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.core.env import ENV_DIR
-from dataloader_exporter.instrument.env import current_rank
+from dataloader_exporter.core.envnames import ENV_DIR
+from dataloader_exporter.instrument.rank import current_rank
 
 Step = Callable[[], None] | None
 VARIANTS = ("bare", "instrumented", "profiler")

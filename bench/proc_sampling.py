@@ -1,4 +1,4 @@
-"""What reading /proc for a loader's workers costs (issue 20's budget: at most 1% of one
+"""What reading /proc for a loader's workers costs (the budget: at most 1% of one
 core for 16 workers, and nothing on the training loop's per-batch path).
 
 A loader with --workers persistent workers (idle after their prefetch, as between a slow
@@ -44,7 +44,7 @@ def main() -> int:
     it = iter(loader)
     for _ in range(workers * 2):  # every worker has started and reported
         next(it)
-    rec = loader._dle.rec
+    rec = loader._instruments.rec
     tracker = rec.workers
     costs, pss_costs = [], []
     for i in range(rounds):

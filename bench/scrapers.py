@@ -4,7 +4,7 @@ The trainer (this process) runs an instrumented loader and a step of pure Python
 (which holds the interpreter lock, like a step launching GPU kernels) and serves its
 metrics in-process. Clients run in another process, so they take none of the trainer's
 interpreter lock themselves: whatever they cost it is the server's work. With two cores or
-more the trainer is pinned to one core and the clients to another (the issue's setting).
+more the trainer is pinned to one core and the clients to another.
 
 Phases, interleaved in rounds so that drift hits all alike:
   none      no client
@@ -73,7 +73,7 @@ def main() -> None:
     from torch.utils.data import TensorDataset
 
     from dataloader_exporter import instrument
-    from dataloader_exporter.exporter.http import Limits, serve
+    from dataloader_exporter.exporter.web.server import Limits, serve
 
     cores = sorted(os.sched_getaffinity(0))
     trainer_core = cores[0] if len(cores) > 1 else None

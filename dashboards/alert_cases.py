@@ -108,7 +108,7 @@ def ranks(fetch: list[float], step: list[float]) -> tuple[tuple[str, str], ...]:
 
 
 JOB_RANK = {"job": "llm", "namespace": "team-a", "loader": "train"}
-# The two ranks: rank 1 waits 21.7 ms a batch for input, rank 0 2.5 ms and the rest
+# Two ranks of a real job: rank 1 waits 21.7 ms a batch for input, rank 0 2.5 ms and the rest
 # of the 42.5 ms batch in its all-reduce (seconds a minute at 480 batches a minute).
 TWO = ranks([1.2, 10.4], [19.2, 10.0])
 EIGHT_ONE_SLOW = ranks([1.0] * 5 + [30.0] + [1.0] * 2, [59.0] * 5 + [30.0] + [59.0] * 2)

@@ -24,10 +24,10 @@ from . import kubernetes, recording
 from .alert_cases import CASES
 from .alerting import grafana_rules, prometheus_rules, promtool_tests
 from .alerts import ALERTS
-from .gpu import GPU_BOARD
-from .jobs import JOBS_BOARD
+from .board_gpu import GPU_BOARD
+from .board_jobs import JOBS_BOARD
+from .board_overview import OVERVIEW
 from .model import DATASOURCE_UID, DATASOURCE_URL, FOLDER, Board
-from .overview import OVERVIEW
 from .render import render
 
 BOARDS: tuple[Board, ...] = (OVERVIEW, GPU_BOARD, JOBS_BOARD)

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from dataloader_exporter.core.env import DEFAULT_PORT
+from dataloader_exporter.core.envnames import DEFAULT_PORT
 
 from .model import EXPORTER_CONTAINER
 

@@ -29,7 +29,7 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "serve": Command("dataloader_exporter.exporter.command", "serve /metrics (sidecar mode)"),
+    "serve": Command("dataloader_exporter.exporter.serve_cli", "serve /metrics (sidecar mode)"),
     "doctor": Command("dataloader_exporter.diagnosis.doctor_cli",
                       "diagnose the input pipeline and say what to change"),
     "top": Command("dataloader_exporter.diagnosis.top",
@@ -39,7 +39,7 @@ COMMANDS: dict[str, Command] = {
     "demo": Command("dataloader_exporter.demo",
                     "a starved and a tuned CPU training run, side by side",
                     "torch", ("torch", "numpy")),
-    "dashboards": Command("dataloader_exporter.dashboards.command",
+    "dashboards": Command("dataloader_exporter.dashboards.dashboards_cli",
                           "write Grafana dashboards, alerts and rules",
                           "dashboards", ("grafanalib", "attr", "attrs", "yaml")),
 }

@@ -3,7 +3,7 @@
 A real training loop on the CPU over a synthetic dataset whose samples cost real CPU
 work (rendering and filtering a noisy image). First a starved configuration
 (num_workers=0, no persistent workers), then the settings the doctor recommends for it,
-then a loader that tunes itself (``tune=True``, issue 22) from num_workers=0, all
+then a loader that tunes itself (``tune=True``) from num_workers=0, all
 instrumented, while /metrics is served on 127.0.0.1. It ends with a side-by-side table. The
 main process uses one torch thread, as DataLoader workers do, so the runs share the
 machine's cores the same way.
@@ -28,8 +28,8 @@ from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.diagnosis.doctor import Diagnosis, diagnose
 from dataloader_exporter.diagnosis.machine import local_machine
 from dataloader_exporter.diagnosis.signals import Scrape, Window, loaders
-from dataloader_exporter.instrument.env import current_rank
-from dataloader_exporter.instrument.tuning import MIN_BATCHES
+from dataloader_exporter.instrument.rank import current_rank
+from dataloader_exporter.instrument.tuner_epoch import MIN_BATCHES
 
 BATCH = 32
 UNSETTLED = 24  # epochs after which a tuner that has not settled is measured as it is

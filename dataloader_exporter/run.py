@@ -14,7 +14,7 @@ import os
 import shlex
 import sys
 
-from dataloader_exporter.core.env import ENV_AUTO, ENV_DIR, ENV_SETTINGS
+from dataloader_exporter.core.envnames import ENV_AUTO, ENV_DIR, ENV_SETTINGS
 from dataloader_exporter.core.settings import SettingsError, parse
 
 DESCRIPTION = ("Run COMMAND with every torch DataLoader in it, and in the Python processes "

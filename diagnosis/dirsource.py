@@ -39,7 +39,6 @@ from dataloader_exporter.exporter.collectors.trainer import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_SERIES,
     DEFAULT_STALE_AFTER,
-    SUFFIX,
     TrainerCollector,
 )
 
@@ -82,7 +81,7 @@ class SnapshotDir:
         for entry in entries:
             try:
                 st = entry.stat(follow_symlinks=False)
-                if not (entry.name.endswith(SUFFIX) and stat.S_ISREG(st.st_mode)):
+                if not (entry.name.endswith(snapshot.SUFFIX) and stat.S_ISREG(st.st_mode)):
                     continue
                 data, _ = snapshot.read(entry.path, DEFAULT_MAX_FILE_BYTES)
                 owners = snapshot.load(data, DEFAULT_MAX_SERIES).owners
@@ -135,7 +134,7 @@ class SnapshotDir:
     def _nothing_valid(self) -> str:
         if self.skipped:
             return f"no valid snapshot file: skipped {self.describe_skipped()}"
-        return f"no snapshot file (*{SUFFIX}) in {self.directory}"
+        return f"no snapshot file (*{snapshot.SUFFIX}) in {self.directory}"
 
 
 @contextlib.contextmanager

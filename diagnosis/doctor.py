@@ -4,13 +4,13 @@ Verdicts use the input-bound bands of TensorFlow's profiler (stall share = time 
 for data / (waiting + computing)): 20% and above is input-bound, 5-20% moderately, under
 5% not, judged on the whole percent the report prints, so a verdict never changes while
 its figure stays the same. Every recommendation carries the one sentence that says why,
-and none is drawn from a figure that is missing. Across ranks (diagnosis.jobs) the job's
-stall is the slowest input's; an input straggler gets the advice, and the ranks that
-only wait for it get none about their own loader. Why the input is slow, and the number
-of workers that follows, comes from where the workers' time goes (diagnosis.why); why
-workers failed, from the causes the trainer observed (diagnosis.failures). A loader the
-loader tuner still tunes gets no advice on num_workers or prefetch_factor: the tuner sets
-them (diagnosis.tuned).
+and none is drawn from a figure that is missing. Across ranks (diagnosis.job_signals)
+the job's stall is the slowest input's; an input straggler gets the advice, and the
+ranks that only wait for it get none about their own loader. Why the input is slow, and
+the number of workers that follows, comes from where the workers' time goes
+(diagnosis.why); why workers failed, from the causes the trainer observed
+(diagnosis.failure_advice). A loader the loader tuner still tunes gets no advice on
+num_workers or prefetch_factor: the tuner sets them (diagnosis.tuner_report).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass, field
 
 from dataloader_exporter.core import advisor, bands
-from dataloader_exporter.diagnosis import failures, tuned, why
-from dataloader_exporter.diagnosis.jobs import Job, RankTimes, points, rank_times
+from dataloader_exporter.diagnosis import failure_advice, tuner_report, why
+from dataloader_exporter.diagnosis.job_signals import Job, RankTimes, points, rank_times
 from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.signals import LoaderSignals
 from dataloader_exporter.diagnosis.units import gib, ms, pct
@@ -64,7 +64,7 @@ class Diagnosis:
     unknowns: list[str] = field(default_factory=list)  # what could not be judged, and why
     workers: why.WorkerView = field(default_factory=why.WorkerView)
     failures: list[dict[str, object]] = field(default_factory=list)  # causes seen, fixes
-    tuner: tuned.TunerView | None = None  # None: the loader tuner does not tune it
+    tuner: tuner_report.TunerView | None = None  # None: the loader tuner does not tune it
 
     @property
     def healthy(self) -> bool:
@@ -113,7 +113,7 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1,
         "step_per_batch_seconds": times.step if times else None,
         "waiting_for_other_ranks_seconds_per_batch": waiting})
     cfg = _config(s)
-    d.tuner = tuned.view(s.tuner, s.config)
+    d.tuner = tuner_report.view(s.tuner, s.config)
     d.workers = why.view(s, machine, d.verdict in STARVED)
     if d.workers.bottleneck == why.UNKNOWN:
         d.unknowns.append(why.unknown(s.rank, cfg.workers))
@@ -194,11 +194,11 @@ def _findings(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
     if s.ended and s.exited_at is None and s.batches > 0:
         d.findings.append(Finding("ended-abruptly", _abrupt(s)))
     if s.workers_lost > 0:  # counted only for workers that died while still needed
-        d.findings.append(Finding("lost-workers", failures.lost_message(s)))
+        d.findings.append(Finding("lost-workers", failure_advice.lost_message(s)))
     in_flight = (bands.shm_in_flight(s.batch_bytes, cfg.prefetch, cfg.workers, local_ranks)
                  if s.batch_bytes and cfg.workers else None)
     shm_total = _shm_total(s, machine)
-    d.failures = failures.entries(s, d.workers, failures.Shm(
+    d.failures = failure_advice.entries(s, d.workers, failure_advice.Shm(
         shm_total, in_flight, None if in_flight is None else bands.shm_size_advice(in_flight)),
         cfg.workers)
     d.findings += [Finding(f"failure-{f['cause']}", f"{f['seen']}. Fix: {f['fix']}")

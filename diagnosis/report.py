@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from dataloader_exporter.core.env import ENV_SETTINGS
+from dataloader_exporter.core.envnames import ENV_SETTINGS
 from dataloader_exporter.core.settings import (
     AUTO,
     SETTINGS,
@@ -13,9 +13,9 @@ from dataloader_exporter.core.settings import (
     SettingsError,
     format_settings,
 )
-from dataloader_exporter.diagnosis import tuned
+from dataloader_exporter.diagnosis import tuner_report
 from dataloader_exporter.diagnosis.doctor import VERDICTS, Diagnosis, diagnose, verdict
-from dataloader_exporter.diagnosis.jobs import Job, jobs
+from dataloader_exporter.diagnosis.job_signals import Job, jobs
 from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.signals import LoaderSignals
 from dataloader_exporter.diagnosis.units import gib, ms, pct
@@ -81,7 +81,7 @@ def _rank_lines(d: Diagnosis, multi: bool) -> list[str]:
     if multi and step is not None and wait is not None:
         lines.append(f"  step {ms(step)} a batch, of which about {ms(wait)} waiting for "
                      "other ranks (estimated: its step minus the fastest rank's)")
-    lines += [tuned.line(d.tuner)] if d.tuner is not None else []
+    lines += [tuner_report.line(d.tuner)] if d.tuner is not None else []
     lines += _worker_lines(d.workers)
     lines += [f"  ! {x.message}" for x in d.findings]
     lines += [f"  ? {x}" for x in d.unknowns]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.diagnosis.tuned import TunerSignals, read_tuner
+from dataloader_exporter.diagnosis.tuner_report import TunerSignals, read_tuner
 from dataloader_exporter.diagnosis.workersignals import WorkerSignals, read_failures, read_workers
 
 Labels = tuple[tuple[str, str], ...]
@@ -172,7 +172,7 @@ class LoaderSignals:
     cgroup_usage: float | None = None
     workers: WorkerSignals = field(default_factory=WorkerSignals)
     failures: dict[str, float] | None = None  # cause -> total; None: causes not exported
-    tuner: TunerSignals | None = None  # None: the loader is not tuned (diagnosis.tuned)
+    tuner: TunerSignals | None = None  # None: the loader is not tuned (diagnosis.tuner_report)
     # The run has ended (its files are no longer written: read whole), and when its
     # process exited normally (None: its last snapshot has no exit, or it is live).
     ended: bool = False

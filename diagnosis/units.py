@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataloader_exporter.diagnosis.jobs import points
+from dataloader_exporter.diagnosis.job_signals import points
 
 GiB = 1024**3
 

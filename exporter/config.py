@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dataloader_exporter.core.env import DEFAULT_PORT, ENV_DIR, ENV_PREFIX
+from dataloader_exporter.core.envnames import DEFAULT_PORT, ENV_DIR, ENV_PREFIX
 from dataloader_exporter.core.facts.shm import SHM_PATH
 from dataloader_exporter.core.problems import Problems
 from dataloader_exporter.core.settings import log_name
@@ -27,21 +27,23 @@ from dataloader_exporter.exporter.collectors.trainer import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_SERIES,
     DEFAULT_STALE_AFTER,
-    KEEP_FAILED_FILES,
-    KEEP_FAILED_FOR,
-    default_remove_after,
 )
-from dataloader_exporter.exporter.limits import Limits
 from dataloader_exporter.exporter.parsers import (
     parse_address,
     parse_bool,
     parse_count,
     parse_seconds,
 )
+from dataloader_exporter.exporter.snapshot_retention import (
+    KEEP_FAILED_FILES,
+    KEEP_FAILED_FOR,
+    default_remove_after,
+)
 from dataloader_exporter.exporter.sources import COLLECTORS, SourceOptions
+from dataloader_exporter.exporter.web.limits import Limits
 
 if TYPE_CHECKING:
-    from dataloader_exporter.exporter.webconfig import WebConfig
+    from dataloader_exporter.exporter.web.webconfig import WebConfig
 
 DEFAULT_ADDRESS = f":{DEFAULT_PORT}"
 LOG_LEVELS = ("debug", "info", "warn", "error")
@@ -229,7 +231,7 @@ def _load_web(path: str | None, problems: list[str]) -> WebConfig | None:
     """The web configuration file loaded and checked; None without one (or when bad)."""
     if path is None:
         return None
-    from dataloader_exporter.exporter import (
+    from dataloader_exporter.exporter.web import (
         webconfig,  # PyYAML and bcrypt load only when asked for
     )
 

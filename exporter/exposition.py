@@ -1,9 +1,8 @@
 """Fast encoders for the Prometheus text format (0.0.4) and OpenMetrics 1.0.
 
-prometheus_client's encoders validate and escape every label name of every sample:
-12 ms (text) and 23 ms (OpenMetrics, which Prometheus asks for) for the 3,231 series of
-8 ranks x 4 loaders, most of a scrape (bench/scrape.py). These produce the same output
-(tests compare both against prometheus_client's) for the families this exporter yields
+prometheus_client's encoders validate and escape every label name of every sample, most
+of a scrape's time (docs/design/exporter.md). These produce the same output (tests
+compare both against prometheus_client's) for the families this exporter yields
 (counters, gauges, histograms; legacy names; label values escaped only when they need
 it); any other family a user's registry holds is written by prometheus_client itself.
 """

@@ -1,10 +1,9 @@
 """One collection for many concurrent scrapes, encoded once per format.
 
 Collecting reads every source (snapshot files, NVML, /proc), so it must not run once per
-client: 50 concurrent scrapers each paying the whole collection made p99 5 s. A scrape
-that arrives while a collection is running joins it (single flight, as Go's
-singleflight); the next one after it finished starts a fresh one, so no answer is older
-than the scrape that asked for it by more than one collection. Each collection encodes
+client. A scrape that arrives while a collection is running joins it (single flight, as
+Go's singleflight); the next one after it finished starts a fresh one, so no answer is
+older than the scrape that asked for it by more than one collection. Each collection encodes
 each format (text, OpenMetrics, gzip or not) at most once, whoever asks first.
 """
 

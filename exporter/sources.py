@@ -14,21 +14,21 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from dataloader_exporter.core.env import ENV_PREFIX
+from dataloader_exporter.core.envnames import ENV_PREFIX
 from dataloader_exporter.core.facts.shm import SHM_PATH
 
 from .collectors.base import SourceCollector
-from .collectors.gpu import GpuCollector
+from .collectors.gpu_nvml import GpuCollector
 from .collectors.host import HostCollector
-from .collectors.shm import ShmCollector
+from .collectors.shm_usage import ShmCollector
 from .collectors.supervisor import Supervisor
 from .collectors.trainer import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_SERIES,
     DEFAULT_STALE_AFTER,
-    KEEP_FAILED_FOR,
     TrainerCollector,
 )
+from .snapshot_retention import KEEP_FAILED_FOR
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,18 @@
     loader = DataLoader(ds, batch_size=64, num_workers=4, name="train")
 
 or, for a loader built elsewhere, ``loader = dataloader_exporter.wrap(loader,
-name="train")``; or no code at all: ``dataloader-exporter run -- COMMAND`` (zero-code
-mode, zerocode.py). Metrics go to snapshot files (metrics_dir= or $DATALOADER_EXPORTER_DIR) for the
-sidecar exporter, and/or are served in-process (port= or dataloader_exporter.serve()).
+name="train")``; or no code at all: ``dataloader-exporter run -- COMMAND`` (zero-code mode,
+zerocode_hooks.py). Metrics go to snapshot files (metrics_dir= or $DATALOADER_EXPORTER_DIR)
+for the sidecar exporter, and/or are served in-process (port= or dataloader_exporter.serve()).
+
+The per-batch code lives in the hotpath_*.py modules; iter_start.py builds the iterator
+the loop takes; instruments.py holds what a loader does less often than once a batch.
 """
 
-from .hub import SnapshotWriter, default_registry, hub_for
+from .hub import default_registry, hub_for
 from .loader import DataLoader, WrappedLoader, to_device, wrap
 from .serve import serve, shutdown
+from .snapshot_writer import SnapshotWriter
 
 
 def write_snapshots(directory: str, interval: float = 1.0) -> SnapshotWriter:

@@ -1,35 +1,35 @@
 """A loader's instruments: its link to the recorder, the sinks and the advice, and what it
-does at each turn of an iteration that the timed iterator (timed.py) reports."""
+does at each turn of an iteration that the timed iterator (hotpath_iterator.py) reports:
+iter(), the first batch, the end, an error, the tuner's readings. None of it runs per
+batch but the timed transfer (hotpath_transfer.py)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import weakref
-from time import perf_counter_ns
 from typing import Any
 
 import torch
 
-from dataloader_exporter.core.env import ENV_DIR
+from dataloader_exporter.core.envnames import ENV_DIR
 from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
 from dataloader_exporter.core.logonce import LogOnce
 from dataloader_exporter.core.settings import SettingsError, log_name
 
-from . import compat, envsettings, failures
-from .batch import batch_nbytes, move
-from .env import current_rank, local_world_size
-from .gpu import gpu_uuid
+from . import compat, envsettings, failure_causes
+from .failure_causes import from_exitcode
+from .hotpath_batch import batch_nbytes
+from .hotpath_recorder import LoaderRecorder
+from .hotpath_transfer import timed_to_device
 from .hub import Hub, hub_for
 from .preflight import LoaderConfig, Preflight
-from .recorder import LoaderRecorder
-from .tracker import from_exitcode
-from .tuning import LoaderTuning
+from .rank import current_rank, local_world_size
+from .tuner_loop import LoaderTuning
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
-PROBE_EVERY = 1 << 15  # batches between two readings of a tuned epoch (recorder.MAX_UNREAD / 4)
-MAX_PENDING_EVENTS = 4096  # CUDA event pairs kept waiting before the oldest are dropped
+PROBE_EVERY = 1 << 15  # batches between readings of a tuned epoch (hotpath_recorder.MAX_UNREAD / 4)
 WAIT_WRITE = 1.0  # seconds the loop's exception waits for the snapshot of a dead worker
 
 
@@ -37,7 +37,7 @@ class Instruments:
     """One loader object's link to its recorder, sinks and advice.
 
     explicit: built by instrument.DataLoader or wrap() (not by zero-code mode), so a loader
-    that is never iterated is worth a word (see zerocode.py).
+    that is never iterated is worth a word (see zerocode_registry.py).
     """
 
     def __init__(self, name: str, registry: Any, metrics_dir: str | None,
@@ -52,7 +52,7 @@ class Instruments:
         self.metrics_dir = metrics_dir
         self.port = port
         self.explicit = explicit
-        self.loader_class: type | None = None  # the class of the loader adopted (zerocode)
+        self.loader_class: type | None = None  # the class of the loader adopted (zerocode_hooks)
         self.iterated = False
         self.gpu_checked = False  # to_device onto CUDA has looked up the GPU's UUID
         self.hub: Hub = hub_for(registry)
@@ -83,7 +83,7 @@ class Instruments:
         return self._rec
 
     def failed(self, cause: str, pid: int | None, seen: str) -> None:
-        """One line per failure cause with what to change (failures.fix)."""
+        """One line per failure cause with what to change (failure_causes.fix)."""
         if self._failures.seen(cause):
             return
         rec = self.rec
@@ -91,12 +91,12 @@ class Instruments:
         live = rec.workers.active or 0
         rss = fig.rss_bytes // live if fig is not None and live else None
         who = f" (worker pid {pid})" if pid else ""
-        text = failures.fix(cause, seen, self.config, max(rec.batch_bytes, 0),
+        text = failure_causes.fix(cause, seen, self.config, max(rec.batch_bytes, 0),
                             local_world_size(), shm_space(SHM_PATH), rss)
         self._failures.problem(cause, "dataloader %r%s: %s", log_name(self.name), who, text)
 
     def at_iter(self, loader: Any) -> int | None:
-        """Before torch's iter(): the tuner's change, if the loader is tuned (tuning.py).
+        """Before torch's iter(): the tuner's change, if the loader is tuned (tuner_loop.py).
         Returns the base seed for a persistent pool it rebuilt, else None."""
         if self.tuning is None:
             if self._tune_checked:
@@ -131,7 +131,7 @@ class Instruments:
         """For a tuned loader: the first batch count at which its figures are read in the
         loop (probed), so that the epoch's last reading is taken while its workers live
         (torch ends a non-persistent pool before its iterator raises StopIteration) and
-        no measurement is dropped unread in a long epoch (recorder.MAX_UNREAD): after 8,
+        no measurement is dropped unread in a long epoch (hotpath_recorder.MAX_UNREAD): after 8,
         16, 32, ... batches, then every PROBE_EVERY, and at the next-to-last batch when
         the epoch's length is known."""
         start = self._probe_start = self.rec.batches
@@ -217,7 +217,7 @@ class Instruments:
     def first_batch(self, batch: Any, since_iter_ns: int) -> None:
         rec = self.rec
         rec.first.append(since_iter_ns)
-        if self.tuning_now:  # the workers' first sample of the epoch (tuning.py)
+        if self.tuning_now:  # the workers' first sample of the epoch (tuner_loop.py)
             self._read()
         self.iterated = True
         self.epochs += 1
@@ -250,15 +250,16 @@ class Instruments:
         False: a holder's inner loader, whose holder counts the exception."""
         self.iterated = True  # it was: a failed first batch is no framework's rebuild
         workers = self.rec.workers
-        death = failures.deaths_in(exc)
+        death = failure_causes.deaths_in(exc)
         workers.refresh(0.0, on_error=True, named=dict.fromkeys(*death) if death else None,
                         exits=lambda pid: from_exitcode(compat.worker_exitcode(it, pid)))
         if not count:
             return
-        cause = None if death else failures.cause_of_error(exc, self.config.num_workers or 0)
+        cause = None if death else failure_causes.cause_of_error(
+            exc, self.config.num_workers or 0)
         if cause is not None:
-            workers.fail(cause, None, failures.first_line(exc))
-        if death or cause == failures.SHM or (cause is not None and
+            workers.fail(cause, None, failure_causes.first_line(exc))
+        if death or cause == failure_causes.SHM or (cause is not None and
                                                cause not in self._urgent_once):
             if cause is not None:  # a dataset raising again and again waits once
                 self._urgent_once.add(cause)
@@ -268,34 +269,11 @@ class Instruments:
         """Labels dataloader_info with the GPU this loader's batches go to."""
         self.rec.gpu_uuid = uuid
 
-    def to_device(self, batch: Any, device: Any, non_blocking: bool) -> Any:
-        rec = self.rec
-        dev = torch.device(device)
-        if dev.type == "cuda":
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-            if not self.gpu_checked:  # once: which GPU this rank feeds, for dataloader_info
-                self.gpu_checked = True
-                self.note_gpu(gpu_uuid(dev))
-            self.preflight.on_cuda_transfer(self.config)
-            stream = torch.cuda.current_stream(dev)
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            out, nbytes = move(batch, dev, non_blocking)
-            end.record(stream)
-            if len(rec.pending_events) >= MAX_PENDING_EVENTS:
-                rec.pending_events.popleft()
-            rec.pending_events.append((start, end))
-        else:
-            t0 = perf_counter_ns()
-            out, nbytes = move(batch, dev, non_blocking)
-            rec.transfer.append(perf_counter_ns() - t0)
-        rec.transfer_bytes += nbytes
-        return out
+    # Moves a (nested) batch to a device, timed: per batch, so in hotpath_transfer.py.
+    to_device = timed_to_device
 
 
 def reraise_torch_worker_error(e: Exception) -> None:
     """A dead worker's error torch raised in our bookkeeping goes on to the loop."""
-    if failures.is_torch_worker_error(e):
+    if failure_causes.is_torch_worker_error(e):
         raise e

@@ -1,11 +1,11 @@
-"""The instrumented DataLoader and wrap() for loaders built elsewhere (the timed iterator
-they return: timed.py).
+"""The instrumented DataLoader, and wrap() for loaders built elsewhere.
 
 The training loop sees exactly what it would see without us: the same batches in the
 same order, the same len() and the same exceptions, and torch sees the user's own
-dataset, sampler and worker_init_fn (see workers.py for the one hook, collate_fn, that
-the workers get wrapped). The per-batch cost is two perf_counter_ns calls, two deque
-appends and a few integer updates.
+dataset, sampler and worker_init_fn (see hotpath_workerblock.py for the one hook,
+collate_fn, that the workers get wrapped). The iterator the loop takes:
+hotpath_iterator.py (two perf_counter_ns calls, two deque appends and a few integer
+updates a batch), built at iter() by iter_start.py.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ import torch.utils.data
 
 from dataloader_exporter.core.settings import log_name
 
-from . import envsettings, zerocode
-from .batch import loader_len, move
+from . import envsettings, zerocode_hooks, zerocode_registry
+from .hotpath_batch import loader_len, move
+from .hotpath_iterator import TimedIterator
 from .instruments import Instruments
-from .originals import TORCH_ITER
-from .timed import TimedIterator, instrumented_iter
-from .tuning import knobs_of
+from .iter_start import instrumented_iter
+from .torch_originals import TORCH_ITER
+from .tuner_loop import knobs_of
+from .zerocode_holders import held_loaders
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -44,7 +46,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     $DATALOADER_EXPORTER_SETTINGS does). Default: none.
     """
 
-    _dataloader_exporter_times_itself = True  # originals.SELF_TIMED: hooks leave it be
+    _dataloader_exporter_times_itself = True  # torch_originals.SELF_TIMED: hooks leave it be
 
     def __init__(self, dataset: torch.utils.data.Dataset[T_co], *args: Any,
                  name: str = "default", metrics_dir: str | None = None,
@@ -52,28 +54,30 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                  tune: bool | tuple[str, ...] = False, **kwargs: Any) -> None:
         knobs = knobs_of(tune)  # a bad value fails here, as torch's own arguments do
         # $DATALOADER_EXPORTER_SETTINGS first: a bad line fails here, before any work.
-        args, kwargs = zerocode.apply_settings(name, (dataset, *args), kwargs)
+        args, kwargs = zerocode_hooks.apply_settings(name, (dataset, *args), kwargs)
         super().__init__(*args, **kwargs)
         self.name = name
         self.metrics_dir = metrics_dir
         self.port = port
         self.tune = knobs
         self.registry = registry  # an attribute, so frameworks that rebuild loaders keep it
-        self._dle = Instruments(name, registry, metrics_dir, port, tune=knobs)
-        zerocode.adopt(self, self._dle)  # a framework's copy over the same dataset inherits
+        # Its Instruments (instruments.py): everything measured goes through them.
+        self._instruments = Instruments(name, registry, metrics_dir, port, tune=knobs)
+        # A framework's copy over the same dataset inherits its name.
+        zerocode_hooks.adopt(self, self._instruments)
 
     def __iter__(self) -> Any:
-        return instrumented_iter(self, self._dle, TORCH_ITER)
+        return instrumented_iter(self, self._instruments, TORCH_ITER)
 
     def to_device(self, batch: Any, device: Any, non_blocking: bool = True) -> Any:
         """Moves a (nested) batch to `device` and times the transfer (see instrument.to_device)."""
-        return self._dle.to_device(batch, device, non_blocking)
+        return self._instruments.to_device(batch, device, non_blocking)
 
     # A pickled loader (sent to another process) uses that process's default registry; a
     # copy in this process keeps its registry.
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.pop("_dle", None)
+        state.pop("_instruments", None)
         state.pop("registry", None)
         return state
 
@@ -81,9 +85,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.__dict__.update(state)
         self.__dict__.setdefault("registry", None)
         self.__dict__.setdefault("tune", ())
-        self.__dict__["_dle"] = Instruments(self.name, self.registry, self.metrics_dir,
+        self.__dict__["_instruments"] = Instruments(self.name, self.registry, self.metrics_dir,
                                              self.port, tune=self.tune)
-        zerocode.adopt(self, self.__dict__["_dle"])
+        zerocode_hooks.adopt(self, self.__dict__["_instruments"])
 
     def __copy__(self) -> DataLoader[T_co]:
         new = type(self).__new__(type(self))
@@ -102,21 +106,22 @@ class WrappedLoader:
     """A loader someone else built, timed from the outside (see wrap())."""
 
     def __init__(self, loader: Any, name: str, metrics_dir: str | None, port: int | None,
-                 registry: Any, dle: Instruments | None = None) -> None:
+                 registry: Any, instruments: Instruments | None = None) -> None:
         self.loader = loader
-        self._dle = dle if dle is not None else Instruments(name, registry, metrics_dir,
-                                                              port)
+        self._instruments = instruments if instruments is not None else Instruments(
+            name, registry, metrics_dir, port)
 
     def __iter__(self) -> TimedIterator:
-        dle = self._dle
-        inner = zerocode.held_loaders(self.loader)
-        with zerocode.measuring(self.loader):  # a zero-code hook on its class passes on
+        instruments = self._instruments
+        inner = held_loaders(self.loader)
+        # A zero-code hook on its class passes on.
+        with zerocode_registry.measuring(self.loader):
             if inner:
-                return zerocode.holder_iter(self.loader, inner, dle, iter)
+                return zerocode_hooks.holder_iter(self.loader, inner, instruments, iter)
             start = perf_counter_ns()
-            dle.start_epoch(self.loader)
+            instruments.start_epoch(self.loader)
             it = iter(self.loader)
-        return TimedIterator(it, dle, start, dle.track(it, None), loader_len)
+        return TimedIterator(it, instruments, start, instruments.track(it, None), loader_len)
 
     def __repr__(self) -> str:
         return f"<dataloader_exporter.wrap of {self.loader!r}>"
@@ -126,7 +131,7 @@ class WrappedLoader:
 
     def to_device(self, batch: Any, device: Any, non_blocking: bool = True) -> Any:
         """Moves a (nested) batch to `device` and times the transfer."""
-        return self._dle.to_device(batch, device, non_blocking)
+        return self._instruments.to_device(batch, device, non_blocking)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "loader" not in self.__dict__:
@@ -145,12 +150,13 @@ class WrappedLoader:
             if result is self.loader:
                 return self
             if type(result) is type(self.loader):
-                return WrappedLoader(result, self._dle.name, None, None, None, dle=self._dle)
+                return WrappedLoader(result, self._instruments.name, None, None, None,
+                                     instruments=self._instruments)
             if _loader_like(result):
                 envsettings.once.problem(
-                    f"chain:{self._dle.name}:{name}", "dataloader %r: %s.%s() returned a %s, "
+                    f"chain:{self._instruments.name}:{name}", "dataloader %r: %s.%s() returned a %s, "
                     "which is not measured: pass it to dataloader_exporter.wrap() to measure it",
-                    log_name(self._dle.name), type(self.loader).__name__, name,
+                    log_name(self._instruments.name), type(self.loader).__name__, name,
                     type(result).__name__)
             return result
 
@@ -170,7 +176,7 @@ class WrappedLoader:
             delattr(self.loader, name)
 
 
-_WRAPPER_OWN = frozenset({"loader", "_dle"})
+_WRAPPER_OWN = frozenset({"loader", "_instruments"})
 
 
 def _loader_like(obj: Any) -> bool:
@@ -185,7 +191,7 @@ def wrap(loader: Any, name: str = "default", metrics_dir: str | None = None,
 
     A torch DataLoader (or anything that passes isinstance as one, like Accelerate's
     prepared loaders, or a subclass such as torchdata's StatefulDataLoader) is returned
-    as it is, instrumented where its public __iter__ runs (zerocode.py): frameworks'
+    as it is, instrumented where its public __iter__ runs (zerocode_hooks.py): frameworks'
     isinstance checks still pass (so Lightning still adds its DistributedSampler), and its
     workers get the per-worker hook. A copy a framework builds over the same dataset keeps
     the name. An instrument.DataLoader or a loader wrapped already is returned unchanged
@@ -194,13 +200,13 @@ def wrap(loader: Any, name: str = "default", metrics_dir: str | None = None,
     re-chunks a torch loader's batches (webdataset's WebLoader) is measured as the loop
     takes its batches, through its chain methods too.
     """
-    known = zerocode.instruments(loader)
+    known = zerocode_registry.instruments(loader)
     if isinstance(loader, DataLoader) or (known is not None and known.explicit):
         return loader
     if isinstance(loader, WrappedLoader):
         return loader
     if isinstance(loader, torch.utils.data.DataLoader):
-        zerocode.adopt(loader, Instruments(name, registry, metrics_dir, port))
+        zerocode_hooks.adopt(loader, Instruments(name, registry, metrics_dir, port))
         return loader
     return WrappedLoader(loader, name, metrics_dir, port, registry)
 
@@ -212,8 +218,10 @@ def to_device(batch: Any, device: Any, non_blocking: bool = True, loader: Any = 
     the loop), so non_blocking copies still overlap compute; elsewhere the host time
     of the copy is measured.
     """
-    dle = getattr(loader, "_dle", None) if isinstance(loader, (DataLoader, WrappedLoader)) else (
-        zerocode.instruments(loader))
-    if isinstance(dle, Instruments):
-        return dle.to_device(batch, device, non_blocking)
+    if isinstance(loader, (DataLoader, WrappedLoader)):
+        instruments = getattr(loader, "_instruments", None)
+    else:
+        instruments = zerocode_registry.instruments(loader)
+    if isinstance(instruments, Instruments):
+        return instruments.to_device(batch, device, non_blocking)
     return move(batch, torch.device(device), non_blocking)[0]

@@ -18,7 +18,7 @@ from dataloader_exporter.core.facts.shm import SHM_PATH, ShmSpace, shm_space
 from dataloader_exporter.core.logonce import LogOnce
 from dataloader_exporter.core.settings import log_name
 
-from .env import human_bytes, local_world_size
+from .rank import human_bytes, local_world_size
 
 log = logging.getLogger("dataloader_exporter.instrument")
 

@@ -1,6 +1,6 @@
 """Where a worker process's time and memory go, from /proc/<pid> (Linux).
 
-Read by the main process about once a second per live worker (tracker.py), never by the
+Read by the main process about once a second per live worker (worker_tracker.py), never by the
 workers and never on the per-batch path. One sample is a handful of small reads (about
 60 µs a worker here); PSS (/proc/<pid>/smaps_rollup) walks the worker's page tables,
 about 4 ms for a 200 MB worker and more for bigger ones, so it is read only when cheap:

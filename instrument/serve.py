@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from dataloader_exporter.core.facts.shm import SHM_PATH
 
 if TYPE_CHECKING:
-    from dataloader_exporter.exporter.http import ServerHandle
+    from dataloader_exporter.exporter.web.server import ServerHandle
 
 from .hub import hub_for
 

@@ -1,198 +1,93 @@
-"""Shared fixtures: fresh registries, promtool and Prometheus binaries; and the markers
-`torch` and `slow` (pyproject.toml), given here by module, test and fixture name.
+"""Shared fixtures (fresh registries, an injected clock, promtool and a real Prometheus), and
+the rules that keep the markers `torch` and `slow` (pyproject.toml) honest.
 
-torch: the test needs torch, in its own process or one it starts. Every test of a module
-outside TORCH_FREE has it, and the tests of TORCH_FREE modules named in NEEDS_TORCH.
-Where torch is not installed (`make notorch`: the exporter, the doctor and the dashboards
-must work without it), only TORCH_FREE modules are collected, and their tests marked torch
-are deselected: a TORCH_FREE module that imports torch, or any helper that does
-(torch_helpers.py), fails its collection there.
+The markers live with the tests: a module that needs torch throughout says
+`pytestmark = pytest.mark.torch` (a list with `pytest.mark.slow` when all of it is slow);
+a torch-free module marks its few tests that need torch `@pytest.mark.torch`; a slow test
+is marked `@pytest.mark.slow`.
+
+torch: the test needs torch, in its own process or one it starts. Where torch is not
+installed (`make notorch`: the exporter, the doctor and the dashboards must work without
+it), a module whose `pytestmark` names the torch marker is not collected (read from its
+source, never imported), every other module is, and its tests marked torch are
+deselected: a torch-free module that imports torch, or a helper that does
+(support/torch_helpers.py), fails its collection there.
 
 slow: the test takes seconds (a real Prometheus, torchrun, frameworks, many processes,
-packaging venvs): `pytest -m "not slow"` (`make quick`) leaves them out.
+packaging venvs): `pytest -m "not slow"` (`make quick`) leaves them out. A test that uses
+one of SLOW_FIXTURES (a real Prometheus, or a training run a module's tests share) is
+marked slow explicitly like any other; collection stops with an error where one is not.
 """
 
 from __future__ import annotations
 
-import importlib
+import ast
 import importlib.util
-import os
-import shutil
 import sys
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
-from typing import Any
 
 import pytest
-from procs import REPO, Prometheus
 from prometheus_client import CollectorRegistry
+from support.clock import Clock
+from support.procs import REPO, Prometheus
+from support.required import require_binary
 
-TORCH_FREE = frozenset({
-    "test_alerts.py",
-    "test_auth_flood.py",
-    "test_catalogue.py",
-    "test_collectors_gpu.py",
-    "test_collectors_shm_host.py",
-    "test_compose.py",
-    "test_dashboards.py",
-    "test_dashboards_shapes.py",
-    "test_doctor_dir.py",
-    "test_doctor_why.py",
-    "test_exporter_cli.py",
-    "test_http_server.py",
-    "test_imports.py",
-    "test_jobs.py",
-    "test_kubernetes.py",
-    "test_recording_rules.py",
-    "test_sidecar_floods.py",
-    "test_snapshot_files.py",
-    "test_snapshot_fuzz.py",
-    "test_tuner.py",
-    "test_webconfig.py",
-})
-# Tests of TORCH_FREE modules that run a trainer all the same (a process of their own, or
-# files the instrumentation writes for them), by module and test function.
-NEEDS_TORCH = {
-    "test_compose.py": {"test_the_same_topology_without_containers_reaches_prometheus"},
-    "test_doctor_dir.py": {  # a training script writes the directory the doctor reads
-        "test_an_ended_input_bound_run_is_diagnosed_from_its_files",
-        "test_the_whole_run_in_json_holds_what_the_script_handed_out",
-        "test_the_env_format_prints_the_advice_for_an_ended_run",
-        "test_fresh_files_with_no_batch_between_reads_are_a_live_run_never_an_ended_one",
-        "test_the_doctor_never_deletes_nor_skips_an_old_file",
-        "test_corrupt_files_beside_good_ones_are_skipped_and_counted",
-        "test_an_earlier_runs_files_in_the_directory_are_left_out_and_said",
-        "test_ranks_share_a_machine_only_when_their_files_name_the_same_host",
-        "test_a_live_run_is_read_twice_as_a_window",
-        "test_the_sidecar_of_a_run_that_has_ended_gives_whole_run_figures_not_idle",
-        "test_samples_that_cannot_be_counted_are_unknown_not_zero",
-        "test_a_trainer_killed_mid_epoch_ended_abruptly_one_that_exited_did_not",
-    },
-    "test_http_server.py": {  # the `snapshots` fixture: 4 ranks' files from bench/_snapshots
-        "test_head_sends_the_headers_of_get_without_a_body_and_other_methods_get_405",
-        "test_idle_and_slow_clients_are_closed_after_the_timeouts_while_scrapes_are_served",
-        "test_a_thousand_idle_connections_leave_scrapes_answered_and_resources_bounded",
-        "test_over_the_connection_cap_the_longest_idle_connection_makes_way",
-        "test_clients_that_never_read_their_answers_cannot_lock_out_a_scrape",
-        "test_fifty_concurrent_clients_get_valid_bodies_from_shared_collections",
-        "test_a_symlinked_secret_never_reaches_the_log_and_a_bad_file_counts_once",
-    },
-    "test_imports.py": {  # they import the demo's and the drop-in's modules
-        "test_every_command_module_loads_and_owns_its_arguments",
-        "test_the_drop_in_loads_neither_the_server_nor_the_doctor",
-    },
-}
-# slow: whole modules (torchrun, frameworks, packaging venvs, real Prometheus servers,
-# many trainer processes), then single tests of a second or more on 2 cores, and every test
-# that uses one of SLOW_FIXTURES.
-SLOW_MODULES = frozenset({
-    "test_bench.py",
-    "test_dashboards_live.py",
-    "test_data_libraries.py",
-    "test_distributed.py",
-    "test_exporter_e2e.py",
-    "test_exposition_modes.py",
-    "test_frameworks.py",
-    "test_namespace.py",
-    "test_packaging.py",
-    "test_resources.py",
-    "test_tuner_budgets.py",
-    "test_tuner_loader.py",
-    "test_worker_cases.py",
-    "test_worker_liveness.py",
-})
-SLOW = {
-    "test_alerts.py": {"test_promtool_unit_tests_pass_for_every_alert",
-                       "test_the_unit_tests_catch_an_alert_that_never_fires"},
-    "test_auth_flood.py": {
-        "test_a_flood_from_ever_new_addresses_keeps_bcrypt_busy_but_a_cold_scraper_is_served",
-        "test_sixteen_addresses_flooding_wrong_passwords_cannot_lock_out_a_cold_scraper"},
-    "test_compose.py": {
-        "test_make_certs_writes_a_web_config_that_loads_with_paths_beside_it",
-        "test_the_sidecar_serves_https_with_the_generated_ca_and_password_and_401_without",
-        "test_the_tls_prometheus_config_passes_promtool_and_scrapes_the_sidecar"},
-    "test_doctor.py": {
-        "test_a_tuned_loader_is_reported_with_the_settings_and_changes_the_tuner_made",
-        "test_a_healthy_loader_exits_zero",
-        "test_a_killed_worker_is_reported_as_lost",
-        "test_a_starved_loader_is_input_bound_and_gets_workers",
-        "test_batches_too_big_for_shm_are_a_risk_with_a_shm_size",
-        "test_non_persistent_workers_with_a_slow_start_show_an_epoch_start_stall"},
-    "test_doctor_dir.py": NEEDS_TORCH["test_doctor_dir.py"],  # they run a training script
-    "test_http_server.py": NEEDS_TORCH["test_http_server.py"],  # and share its snapshots
-    "test_imports.py": NEEDS_TORCH["test_imports.py"],
-    "test_kubernetes.py": {
-        "test_every_object_validates_strictly_against_kubernetes_and_the_crd_schemas"},
-    "test_loader_transparent.py": {
-        # torch 2.13 joins each worker of an iterator a dataset error ended for 5 s when it
-        # is collected: 20 s at some later test's garbage collection
-        "test_dataset_errors_reach_the_loop_with_the_same_type_and_message",
-        "test_a_wrapped_torch_loader_raises_what_a_bare_one_raises",
-        "test_every_start_method_gives_the_same_batches_and_worker_figures"},
-    "test_serve_inprocess.py": {
-        "test_a_client_in_a_tight_loop_waits_its_turn_and_others_are_answered_at_once"},
-    "test_sidecar_floods.py": {
-        "test_a_file_rewritten_in_place_a_hundred_times_a_second_is_neither_counted_nor_logged",
-        "test_twenty_rejected_files_near_the_bounds_keep_the_sidecar_far_under_its_limit"},
-    "test_snapshot_files.py": {
-        "test_a_thousand_restarts_leave_only_recent_files_in_the_directory_and_the_caches"},
-    "test_snapshot_fuzz.py": {
-        "test_mutated_snapshots_never_damage_a_good_file_or_the_exposition"},
-    "test_snapshots.py": {"test_a_short_run_writes_its_last_snapshot_at_exit",
-                          "test_a_write_asked_for_while_one_is_under_way_is_not_lost",
-                          "test_the_end_of_an_epoch_triggers_a_prompt_write"},
-    "test_tls_auth.py": {
-        "test_idle_connections_that_never_start_tls_cannot_starve_a_tls_scrape",
-        "test_prometheus_scrapes_over_tls_with_basic_auth_and_others_are_refused",
-        "test_wrong_passwords_queue_for_bcrypt_but_a_known_password_never_waits"},
-    "test_top_and_demo.py": {
-        "test_the_demo_runs_three_configurations_and_the_auto_one_settles_on_a_worker",
-        "test_top_draws_in_a_terminal_and_quits_cleanly"},
-    "test_zerocode.py": {
-        "test_a_lookup_of_torch_before_its_import_does_not_switch_the_hook_off",
-        "test_zero_code_mode_gives_a_program_what_torch_alone_gives_it"},
-}
+HAS_TORCH = importlib.util.find_spec("torch") is not None
 # Fixtures that start a real Prometheus, or a training run that a module's tests share.
 SLOW_FIXTURES = frozenset({"prometheus", "env_switch", "odd_ranks"})
 
-HAS_TORCH = importlib.util.find_spec("torch") is not None
-if not HAS_TORCH:
-    collect_ignore = sorted(p.name for p in Path(__file__).parent.glob("test_*.py")
-                            if p.name not in TORCH_FREE)
+
+@cache
+def marks_torch(path: Path) -> bool:
+    """Whether the test module at `path` marks all its tests torch: its top-level
+    `pytestmark` names `pytest.mark.torch`, read from the source without importing it."""
+    for node in ast.parse(path.read_bytes(), str(path)).body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in targets):
+            return any(isinstance(n, ast.Attribute) and n.attr == "torch"
+                       and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"
+                       for n in ast.walk(value))
+    return False
 
 
-def _listed(item: pytest.Item, names: dict[str, set[str]]) -> bool:
-    function = getattr(item, "originalname", item.name)
-    return function in names.get(item.path.name, set())
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Without torch, leaves out the modules marked torch as a whole (and only those)."""
+    if (not HAS_TORCH and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_") and marks_torch(collection_path)):
+        return True
+    return None
+
+
+def _module_marks(item: pytest.Item) -> set[str]:
+    marks = getattr(getattr(item, "module", None), "pytestmark", [])
+    return {m.name for m in (marks if isinstance(marks, list) else [marks])}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by these markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    unknown = [m for m in (*TORCH_FREE, *NEEDS_TORCH, *SLOW_MODULES, *SLOW)
-               if not (here / m).is_file()]
-    if unknown:
-        raise pytest.UsageError(f"tests/conftest.py names modules that do not exist: {unknown}")
-    gone = [f"{m}::{n}" for m, names in (*NEEDS_TORCH.items(), *SLOW.items())
-            for n in sorted(names) if f"def {n}(" not in (here / m).read_text()]
-    if gone:
-        raise pytest.UsageError(f"tests/conftest.py names tests that do not exist: {gone}")
-    kept, deselected = [], []
-    for item in items:
-        module = item.path.name
-        if module not in TORCH_FREE or _listed(item, NEEDS_TORCH):
-            item.add_marker(pytest.mark.torch)
-        if (module in SLOW_MODULES or _listed(item, SLOW)
-                or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))):
-            item.add_marker(pytest.mark.slow)
-        torchless = not HAS_TORCH and item.get_closest_marker("torch")
-        (deselected if torchless else kept).append(item)
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = kept
-
-
-IN_CI = os.environ.get("CI") == "true"
+    misread = sorted({item.path.name for item in items
+                      if ("torch" in _module_marks(item)) != marks_torch(item.path)})
+    if misread:
+        raise pytest.UsageError(
+            f"write `pytestmark = pytest.mark.torch` (or a list with it) as a plain top-level "
+            f"assignment, which can be read without importing the module: {misread}")
+    unmarked = [item.nodeid for item in items if not item.get_closest_marker("slow")
+                and SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))]
+    if unmarked:
+        raise pytest.UsageError(f"mark these tests @pytest.mark.slow: they use one of "
+                                f"{sorted(SLOW_FIXTURES)}: {unmarked}")
+    if not HAS_TORCH:
+        deselected = [item for item in items if item.get_closest_marker("torch")]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if not item.get_closest_marker("torch")]
 
 
 @pytest.fixture
@@ -207,32 +102,22 @@ def registry() -> Iterator[CollectorRegistry]:
         hub.hub_for(reg).close()
 
 
-def require_binary(name: str) -> str:
-    """Path of a binary the test needs: skipped locally when missing, a failure in CI."""
-    path = shutil.which(name)
-    if path is None:
-        msg = f"{name} not installed (Debian package prometheus; `make test` installs it)"
-        if IN_CI:
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return path
-
-
-def require_module(name: str) -> Any:
-    """A framework the test runs: skipped locally when missing, a failure in CI (`make test`
-    installs the `frameworks` extra)."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        msg = f"{name} not installed (the `frameworks` extra; `make test` installs it)"
-        if IN_CI:
-            pytest.fail(msg)
-        pytest.skip(msg)
+@pytest.fixture
+def clock() -> Clock:
+    """A clock of the test's own for code that takes `clock=`: it starts at the wall-clock
+    time and moves only when the test sets `clock.now` or calls `clock.advance()`."""
+    return Clock()
 
 
 @pytest.fixture(scope="session")
 def promtool() -> str:
     return require_binary("promtool")
+
+
+@pytest.fixture(scope="session")
+def kubectl() -> str:
+    """kubectl (its built-in kustomize renders offline, no cluster needed)."""
+    return require_binary("kubectl", "it carries kustomize; no cluster is needed")
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import yaml
-from rulefiles import FILES, promtool_run, write_rule_file
+from support.rulefiles import FILES, promtool_run, write_rule_file
 from test_dashboards import known_series, metric_names
 
 from dataloader_exporter.core import catalogue as cat
@@ -21,7 +22,7 @@ RULES = yaml.safe_load(FILES["prometheus/rules.yml"])
 DURATION = re.compile(r"\d+[smhd]")
 
 
-def test_the_issues_alerts_are_all_there_with_a_fix_in_each_description() -> None:
+def test_every_alert_is_there_with_a_fix_in_its_description() -> None:
     names = [a.name for a in ALERTS]
     assert len(names) == len(set(names))
     assert names == [
@@ -114,11 +115,13 @@ def test_every_alert_has_a_case_where_it_fires_and_one_where_it_stays_quiet() ->
     assert len(tests) == len(CASES) and len({t["name"] for t in tests}) == len(CASES)
 
 
+@pytest.mark.slow
 def test_promtool_unit_tests_pass_for_every_alert(tmp_path: Path, promtool: str) -> None:
     result = promtool_run(promtool, "test", "rules", str(write_rule_file(tmp_path, "rules")))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_the_unit_tests_catch_an_alert_that_never_fires(tmp_path: Path, promtool: str) -> None:
     """A rule file whose alerts can never fire fails a firing case of every alert."""
     silent = prometheus_rules(ALERTS)

@@ -1,10 +1,10 @@
-"""Issue 23: a flood of wrong passwords from many addresses must not lock out a scraper
-whose password is right but not yet cached (a sidecar just restarted).
+"""A flood of wrong passwords from many addresses must not lock out a scraper whose
+password is right but not yet cached (a sidecar just restarted).
 
 The flood tests run the real server (the one the sidecar runs) with loopback source
 addresses (127.0.0.2 and up) as attackers and 127.0.0.1 as the good client; each of the
 good client's scrapes is a new user, so every one of them needs a bcrypt check. The
-queue and penalty tests drive exporter.basicauth directly with an injected clock.
+queue and penalty tests drive exporter.web.basic_auth directly with an injected clock.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import bcrypt
+import pytest
 from prometheus_client import CollectorRegistry
+from support.clock import Clock
 
-from dataloader_exporter.exporter import webconfig
-from dataloader_exporter.exporter.basicauth import (
+from dataloader_exporter.exporter.web import webconfig
+from dataloader_exporter.exporter.web.basic_auth import (
     BURST,
     MAX_LEVEL,
     PEERS,
@@ -34,7 +36,7 @@ from dataloader_exporter.exporter.basicauth import (
     CheckQueue,
     Failures,
 )
-from dataloader_exporter.exporter.http import serve
+from dataloader_exporter.exporter.web.server import serve
 
 ATTACKERS = 16
 SCRAPES = 10  # the good client's, one a second, each as a new user: never cached
@@ -137,6 +139,7 @@ def flood(tmp_path: Path, rotate: bool) -> Flood:
     return result
 
 
+@pytest.mark.slow
 def test_sixteen_addresses_flooding_wrong_passwords_cannot_lock_out_a_cold_scraper(
         tmp_path: Path) -> None:
     result = flood(tmp_path, rotate=False)
@@ -147,6 +150,7 @@ def test_sixteen_addresses_flooding_wrong_passwords_cannot_lock_out_a_cold_scrap
     assert result.attacks[401] <= ATTACKERS * (BURST + MAX_LEVEL + 2), result.report()
 
 
+@pytest.mark.slow
 def test_a_flood_from_ever_new_addresses_keeps_bcrypt_busy_but_a_cold_scraper_is_served(
         tmp_path: Path) -> None:
     result = flood(tmp_path, rotate=True)
@@ -157,16 +161,7 @@ def test_a_flood_from_ever_new_addresses_keeps_bcrypt_busy_but_a_cold_scraper_is
 
 # --- the queue and the penalties, with an injected clock ---------------------------------
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_a_peer_may_fail_a_few_times_then_waits_longer_each_time_it_runs_dry() -> None:
-    clock = Clock()
+def test_a_peer_may_fail_a_few_times_then_waits_longer_each_time_it_runs_dry(clock: Clock) -> None:
     failures = Failures(clock=clock)
     for _ in range(BURST):
         assert failures.wait("a") == 0.0
@@ -183,8 +178,7 @@ def test_a_peer_may_fail_a_few_times_then_waits_longer_each_time_it_runs_dry() -
     assert failures.score("a") == 0.0 and failures.wait("a") == 0.0
 
 
-def test_a_wrong_password_scraped_every_second_always_gets_its_check() -> None:
-    clock = Clock()
+def test_a_wrong_password_scraped_every_second_always_gets_its_check(clock: Clock) -> None:
     failures = Failures(clock=clock)
     for _ in range(100):
         assert failures.wait("prometheus") == 0.0
@@ -193,8 +187,7 @@ def test_a_wrong_password_scraped_every_second_always_gets_its_check() -> None:
     assert failures.score("prometheus") == 0.0  # a full allowance again: nothing on record
 
 
-def test_a_calm_peer_is_forgiven_and_the_record_is_bounded() -> None:
-    clock = Clock()
+def test_a_calm_peer_is_forgiven_and_the_record_is_bounded(clock: Clock) -> None:
     failures = Failures(size=PEERS, clock=clock)
     for _ in range(BURST + 3):
         clock.now += failures.wait("a")
@@ -234,8 +227,8 @@ def run_queue(peers: list[str], failures: Failures, size: int
 
 
 def test_peers_without_failures_are_checked_first_and_push_the_worst_out_of_a_full_queue(
-        ) -> None:
-    failures = Failures(clock=Clock())
+        clock: Clock) -> None:
+    failures = Failures(clock=clock)
     for peer, n in (("bad1", 1), ("bad2", 2), ("bad3", 3)):
         for _ in range(n):
             failures.failed(peer)
@@ -245,8 +238,9 @@ def test_peers_without_failures_are_checked_first_and_push_the_worst_out_of_a_fu
     assert failures.wait("bad3") == 0.0 and failures.score("bad3") == 3  # refused: not failed
 
 
-def test_one_check_per_peer_and_none_for_a_peer_out_of_allowance_or_a_full_queue() -> None:
-    failures = Failures(clock=Clock())
+def test_one_check_per_peer_and_none_for_a_peer_out_of_allowance_or_a_full_queue(
+        clock: Clock) -> None:
+    failures = Failures(clock=clock)
     for _ in range(BURST):
         failures.failed("dry")
     order, answers = run_queue(["a", "a", "dry", "b", "c"], failures, size=2)
@@ -254,8 +248,8 @@ def test_one_check_per_peer_and_none_for_a_peer_out_of_allowance_or_a_full_queue
     assert answers == [False, None, None, False, None]
 
 
-def test_a_check_counts_for_its_peer_even_when_its_client_has_gone() -> None:
-    failures = Failures(clock=Clock())
+def test_a_check_counts_for_its_peer_even_when_its_client_has_gone(clock: Clock) -> None:
+    failures = Failures(clock=clock)
     held = threading.Event()
 
     async def main() -> None:

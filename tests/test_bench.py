@@ -9,9 +9,11 @@ import subprocess
 import sys
 
 import pytest
-from procs import REPO
+from support.procs import REPO
 
-from dataloader_exporter.core.tuner import REASONS
+from dataloader_exporter.core.tuner_rules import REASONS
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("script", ["overhead.py", "scrape.py", "proc_sampling.py", "tuner.py"])

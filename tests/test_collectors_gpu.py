@@ -8,30 +8,18 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
-from fake_nvml import FakeGpu, FakeNvml, NVMLError, NVMLError_NotSupported
 from prometheus_client import CollectorRegistry, generate_latest
+from support.clock import Clock
+from support.fake_nvml import FakeGpu, FakeNvml, NVMLError, NVMLError_NotSupported
 
 from dataloader_exporter.core import catalogue as c
-from dataloader_exporter.exporter.collectors.gpu import GpuCollector
+from dataloader_exporter.exporter.collectors.gpu_nvml import GpuCollector
 
 A100 = FakeGpu("GPU-aaaa", name="NVIDIA A100-SXM4-80GB", util=75, mem_util=30,
                used=10 * 2**30, total=80 * 2**30, rx_kb=2048, tx_kb=512, temp=65,
                power_mw=250_500)
 H100 = FakeGpu("GPU-bbbb", name="NVIDIA H100 80GB HBM3", util=5, mem_util=1,
                used=2**30, total=80 * 2**30, rx_kb=0, tx_kb=1, temp=33, power_mw=70_000)
-
-
-class FakeClock:
-    """A monotonic clock that moves only when told to."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def gpu(index: int, uuid: str) -> dict[str, str]:
@@ -125,9 +113,8 @@ def test_a_failing_field_loses_only_its_own_metric(caplog: pytest.LogCaptureFixt
 
 
 def test_a_missing_library_gives_no_gpu_series_and_logs_once(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, clock: Clock) -> None:
     fake = FakeNvml([FakeGpu("GPU-aaaa")], library_missing=True)
-    clock = FakeClock()
     collector = GpuCollector(nvml=fake, retry_interval=30.0, clock=clock)
     registry = registered(collector)
     for _ in range(5):
@@ -143,9 +130,8 @@ def test_a_missing_library_gives_no_gpu_series_and_logs_once(
     assert "NVML unavailable" in gpu_log_lines(caplog)[0]
 
 
-def test_a_driver_that_appears_later_is_picked_up_after_the_retry_interval() -> None:
+def test_a_driver_that_appears_later_is_picked_up_after_the_retry_interval(clock: Clock) -> None:
     fake = FakeNvml([replace(A100)], library_missing=True)
-    clock = FakeClock()
     collector = GpuCollector(nvml=fake, retry_interval=30.0, clock=clock)
     registry = registered(collector)
     scrape(registry)
@@ -158,8 +144,7 @@ def test_a_driver_that_appears_later_is_picked_up_after_the_retry_interval() -> 
     assert collector.up is True
 
 
-def test_a_gpu_added_later_is_listed_after_the_retry_interval() -> None:
-    clock = FakeClock()
+def test_a_gpu_added_later_is_listed_after_the_retry_interval(clock: Clock) -> None:
     fake, _, registry = make(A100, retry_interval=30.0, clock=clock)
     scrape(registry)
     fake.add_gpu(replace(H100))
@@ -170,8 +155,7 @@ def test_a_gpu_added_later_is_listed_after_the_retry_interval() -> None:
     assert registry.get_sample_value(c.GPU_UTILIZATION.name, gpu(0, "GPU-aaaa")) == 0.75
 
 
-def test_a_driver_that_goes_away_is_reinitialised_when_it_returns() -> None:
-    clock = FakeClock()
+def test_a_driver_that_goes_away_is_reinitialised_when_it_returns(clock: Clock) -> None:
     fake, collector, registry = make(A100, retry_interval=30.0, clock=clock)
     scrape(registry)
     fake.unload_driver()

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from dataloader_exporter.core import catalogue as c
 from dataloader_exporter.exporter.collectors.host import HostCollector
-from dataloader_exporter.exporter.collectors.shm import ShmCollector
+from dataloader_exporter.exporter.collectors.shm_usage import ShmCollector
 
 # A 64 MiB /dev/shm (Docker's default) in 4 KiB blocks: 4096 blocks free, 4000 of them
 # available to unprivileged users.

@@ -24,12 +24,12 @@ from typing import Any
 import compose
 import pytest
 import yaml
-from conftest import require_binary
-from procs import REPO, Exporter, Prometheus, free_port, http_get, scalar
+from support.procs import REPO, Exporter, Prometheus, free_port, http_get, scalar
+from support.required import require_binary
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.dashboards import kubernetes
-from dataloader_exporter.exporter import webconfig
+from dataloader_exporter.exporter.web import webconfig
 
 COMPOSE = Path(compose.__file__).parent / "docker-compose"
 ENV = {**os.environ, "GRAFANA_ADMIN_PASSWORD": "test-only-password"}
@@ -154,6 +154,8 @@ def test_prometheus_config_passes_promtool(promtool: str) -> None:
     assert port and f"exporter:{port.group(1)}" in targets
 
 
+@pytest.mark.torch
+@pytest.mark.slow  # `prometheus`: a real Prometheus
 def test_the_same_topology_without_containers_reaches_prometheus(
         tmp_path: Path, prometheus: Prometheus) -> None:
     """A trainer process and a sidecar process share a directory; Prometheus scrapes."""
@@ -267,6 +269,7 @@ def get(url: str, certs: Path, password: str | None) -> int:
         return int(e.code)
 
 
+@pytest.mark.slow
 def test_make_certs_writes_a_web_config_that_loads_with_paths_beside_it(certs: Path) -> None:
     raw = yaml.safe_load((certs / "web-config.yml").read_text())
     assert raw["tls_server_config"] == {"cert_file": "tls.crt", "key_file": "tls.key"}
@@ -280,6 +283,7 @@ def test_make_certs_writes_a_web_config_that_loads_with_paths_beside_it(certs: P
     assert not config.authorized("Basic " + base64.b64encode(f"{USER}:x".encode()).decode())
 
 
+@pytest.mark.slow
 def test_the_sidecar_serves_https_with_the_generated_ca_and_password_and_401_without(
         certs: Path, tls_sidecar: Exporter) -> None:
     url = tls_sidecar.url
@@ -358,6 +362,7 @@ def test_the_tls_prometheus_config_keeps_the_default_one_but_scheme_tls_and_auth
     assert tls == plain  # the same rule files, targets and intervals
 
 
+@pytest.mark.slow
 def test_the_tls_prometheus_config_passes_promtool_and_scrapes_the_sidecar(
         certs: Path, tls_sidecar: Exporter, promtool: str, tmp_path: Path) -> None:
     config = tls_prometheus_config(tmp_path / "prometheus", certs, tls_sidecar.address)

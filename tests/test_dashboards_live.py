@@ -16,13 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import require_binary
-from procs import REPO, Exporter, Prometheus, finish, scalar
+from support.procs import REPO, Exporter, Prometheus, finish, scalar
+from support.required import require_binary
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.dashboards import build, recording
 from dataloader_exporter.dashboards.alerts import ALERTS
 from dataloader_exporter.dashboards.render import render
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 TARGET = "dashboards-live"
 # A trainer that keeps training until told to stop (or 600 s pass): 2 workers, epochs of
@@ -34,7 +36,7 @@ TUNED = "tuned"
 TRAINER = f"""
 import os, sys, time
 from dataloader_exporter import instrument
-from torch_helpers import SleepDataset
+from support.torch_helpers import SleepDataset
 metrics_dir, stop = sys.argv[1], sys.argv[2]
 loader = instrument.DataLoader(SleepDataset(32, 0.002), batch_size=4, num_workers=2,
                                persistent_workers=True, name="train", metrics_dir=metrics_dir)

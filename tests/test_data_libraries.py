@@ -17,16 +17,18 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import require_module
-from helpers import scrape, value
-from procs import REPO, SCRIPTS, Run, built_at, run_script
 from prometheus_client import CollectorRegistry
+from support.helpers import scrape, value
+from support.procs import REPO, SCRIPTS, Run, built_at, run_script
+from support.required import require_module
+from support.torch_helpers import SleepDataset
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
-from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 L = {"loader": "t", "rank": "0"}
 
@@ -383,7 +385,7 @@ def test_settings_reach_a_subclass_through_torchs_init_or_are_said_not_to(
     assert "Fixed.__init__ takes no" not in out.stderr
 
 
-# --- the counting rules themselves (instrument/batch.py) ------------------------------------
+# --- the counting rules themselves (instrument/hotpath_batch.py) ----------------------------
 def _t(*shape: int) -> torch.Tensor:
     return torch.zeros(shape)
 
@@ -405,14 +407,14 @@ def _t(*shape: int) -> torch.Tensor:
 ])
 def test_sample_counts_are_given_only_where_the_batch_shows_them(
         batch: Any, custom: int | None, item: int | None) -> None:
-    from dataloader_exporter.instrument.batch import batch_len, item_len, loader_len
+    from dataloader_exporter.instrument.hotpath_batch import batch_len, item_len, loader_len
 
     assert batch_len(batch) == loader_len(batch) == custom
     assert item_len(batch) == item
 
 
 def test_default_collate_is_counted_by_its_first_column_whatever_the_sample() -> None:
-    from dataloader_exporter.instrument.batch import collated_len
+    from dataloader_exporter.instrument.hotpath_batch import collated_len
 
     samples = [{"text": f"r{i}", "ids": [i, i + 1], "label": i % 2, "raw": b"x"}
                for i in range(5)]

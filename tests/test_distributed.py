@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from procs import REPO, Exporter, Prometheus, free_port
+from support.procs import REPO, Exporter, Prometheus, free_port
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.dashboards import recording
 from dataloader_exporter.dashboards.alerts import ALERTS
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 TARGET = "ddp"
 SLOW, EVEN = "ddp-slow", "ddp-even"
@@ -53,7 +55,8 @@ def torchrun(out: Path, metrics: Path, loader: str, *args: str) -> Run:
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(REPO / "tests" / "ddp_job.py"), "--loader", loader, "--out", str(out), *args],
+         str(REPO / "tests" / "support" / "ddp_job.py"), "--loader", loader, "--out", str(out),
+         *args],
         capture_output=True, text=True, timeout=JOB_TIMEOUT, env=env, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     truth = {}

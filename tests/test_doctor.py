@@ -14,18 +14,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import small_tmpfs
-from procs import REPO, Prometheus
 from prometheus_client import CollectorRegistry
-from torch_helpers import SleepDataset
+from support.helpers import small_tmpfs
+from support.procs import REPO, Prometheus
+from support.torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.core.env import ENV_SETTINGS
+from dataloader_exporter.core.envnames import ENV_SETTINGS
 from dataloader_exporter.core.facts.storage import storage_kind
 from dataloader_exporter.diagnosis.doctor import diagnose
 from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.signals import LoaderSignals, quantile
+
+pytestmark = pytest.mark.torch
 
 INTERVAL = 1.5
 TOP_KEYS = {"healthy", "machine", "jobs", "loaders", "source", "whole_run"}
@@ -75,6 +77,7 @@ def only(report: dict[str, Any], name: str) -> dict[str, Any]:
     return found
 
 
+@pytest.mark.slow
 def test_a_starved_loader_is_input_bound_and_gets_workers(
         served: tuple[CollectorRegistry, str]) -> None:
     reg, url = served
@@ -89,6 +92,7 @@ def test_a_starved_loader_is_input_bound_and_gets_workers(
     assert "waits for data" in settings["num_workers"]["why"]
 
 
+@pytest.mark.slow
 def test_a_healthy_loader_exits_zero(served: tuple[CollectorRegistry, str]) -> None:
     # Cheap samples made in the loop itself and a 50 ms step: the wait stays far under the
     # 5% band even on a loaded machine (worker hand-overs there can take milliseconds).
@@ -106,6 +110,7 @@ def _slow_start(worker_id: int) -> None:
     time.sleep(0.7)
 
 
+@pytest.mark.slow
 def test_non_persistent_workers_with_a_slow_start_show_an_epoch_start_stall(
         served: tuple[CollectorRegistry, str]) -> None:
     reg, url = served
@@ -119,6 +124,7 @@ def test_non_persistent_workers_with_a_slow_start_show_an_epoch_start_stall(
     assert persistent and persistent[0]["value"] == "True"
 
 
+@pytest.mark.slow
 def test_batches_too_big_for_shm_are_a_risk_with_a_shm_size(tmp_path: Path) -> None:
     with small_tmpfs(tmp_path / "shm", "8m") as mnt:
         reg = CollectorRegistry()
@@ -137,6 +143,7 @@ def test_batches_too_big_for_shm_are_a_risk_with_a_shm_size(tmp_path: Path) -> N
     assert shm and shm[0]["value"].endswith("g")
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_reported_as_lost(served: tuple[CollectorRegistry, str]) -> None:
     reg, url = served
     loader = instrument.DataLoader(SleepDataset(200, 0.05), batch_size=1, num_workers=2,
@@ -178,6 +185,7 @@ def test_metrics_without_loaders_exit_two(served: tuple[CollectorRegistry, str])
     assert result.returncode == 2 and "no DataLoader metrics" in result.stderr
 
 
+@pytest.mark.slow  # `prometheus`: a real Prometheus
 def test_the_doctor_reads_a_time_range_from_prometheus(
         served: tuple[CollectorRegistry, str], prometheus: Prometheus) -> None:
     """The whole chain for --prometheus: a real loader with a worker, scraped by a real
@@ -231,12 +239,12 @@ def tuner_of(reg: CollectorRegistry, name: str) -> tuple[float | None, dict[str,
 
 def tune_until_stable(loader: Any, reg: CollectorRegistry, timeout: float = 60) -> None:
     """Epochs of a tuned loader until its tuner is stable (a few: it stops after
-    core.tuner.MAX_TRIALS at the most)."""
+    core.tuner_rules.MAX_TRIALS at the most)."""
     end = time.monotonic() + timeout
-    while tuner_of(reg, loader._dle.name)[0] != 1 and time.monotonic() < end:
+    while tuner_of(reg, loader._instruments.name)[0] != 1 and time.monotonic() < end:
         for _ in loader:
             pass
-    assert tuner_of(reg, loader._dle.name)[0] == 1
+    assert tuner_of(reg, loader._instruments.name)[0] == 1
 
 
 def expected_tuner(loader: Any, changes: dict[str, float]) -> dict[str, Any]:
@@ -249,6 +257,7 @@ def expected_tuner(loader: Any, changes: dict[str, float]) -> dict[str, Any]:
                           for k, v in sorted(changes.items())]}
 
 
+@pytest.mark.slow
 def test_a_tuned_loader_is_reported_with_the_settings_and_changes_the_tuner_made(
         served: tuple[CollectorRegistry, str]) -> None:
     """A real tuned loader (it starts without workers and waits for its samples: the
@@ -275,6 +284,7 @@ def test_a_tuned_loader_is_reported_with_the_settings_and_changes_the_tuner_made
     assert line.startswith(f"{ENV_SETTINGS}=tuned.num_workers=auto,tuned.prefetch_factor=auto")
 
 
+@pytest.mark.slow  # `prometheus`: a real Prometheus
 def test_the_doctor_reads_a_tuned_loader_from_prometheus_at_its_settings_now(
         served: tuple[CollectorRegistry, str], prometheus: Prometheus) -> None:
     """Through a real Prometheus: dataloader_info changes its labels when the tuner changes

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import deadline_poll, parse
-from procs import REPO, Exporter, finish
-from real_snapshots import real_snapshot
+from support.helpers import deadline_poll, parse
+from support.procs import REPO, Exporter, finish
+from support.real_snapshots import real_snapshot
 
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.core.env import ENV_SETTINGS
+from dataloader_exporter.core.envnames import ENV_SETTINGS
 from dataloader_exporter.diagnosis import dirsource, doctor_cli, top
 from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.report import Report, build_report, env_line
@@ -38,7 +38,7 @@ TRAIN = """
 import json, sys, time
 from pathlib import Path
 from dataloader_exporter import instrument
-from torch_helpers import SleepDataset
+from support.torch_helpers import SleepDataset
 a = json.loads(sys.argv[1])
 loader = instrument.DataLoader(SleepDataset(a["n"], a["delay"]), batch_size=a["batch_size"],
                                name="train", metrics_dir=a["dir"])
@@ -120,6 +120,8 @@ def loop_seconds(directory: Path) -> float:
     return fetch + series[(cat.STEP.name + "_sum", lr)]
 
 
+@pytest.mark.torch  # a training script writes the directory the doctor reads
+@pytest.mark.slow
 def test_an_ended_input_bound_run_is_diagnosed_from_its_files(
         ended: tuple[Path, dict[str, float]]) -> None:
     directory = ended[0]
@@ -132,6 +134,8 @@ def test_an_ended_input_bound_run_is_diagnosed_from_its_files(
     assert "num_workers=" in result.stdout and result.stderr == ""
 
 
+@pytest.mark.torch  # a training script writes the directory the doctor reads
+@pytest.mark.slow
 def test_the_whole_run_in_json_holds_what_the_script_handed_out(
         ended: tuple[Path, dict[str, float]]) -> None:
     directory, truth = ended
@@ -146,6 +150,8 @@ def test_the_whole_run_in_json_holds_what_the_script_handed_out(
     assert train_rank0(report)["verdict"] == "input-bound" and not report["healthy"]
 
 
+@pytest.mark.torch  # a training script writes the directory the doctor reads
+@pytest.mark.slow
 def test_the_env_format_prints_the_advice_for_an_ended_run(
         ended: tuple[Path, dict[str, float]]) -> None:
     result = doctor("--metrics-dir", str(ended[0]), "--format", "env")
@@ -155,6 +161,8 @@ def test_the_env_format_prints_the_advice_for_an_ended_run(
     assert "train.persistent_workers=true" in line
 
 
+@pytest.mark.torch  # a training script writes the directory the doctor reads
+@pytest.mark.slow
 def test_fresh_files_with_no_batch_between_reads_are_a_live_run_never_an_ended_one(
         ended: tuple[Path, dict[str, float]], tmp_path: Path) -> None:
     """Files written just now whose loop hands out nothing: a stalled (or paused) run
@@ -169,6 +177,8 @@ def test_fresh_files_with_no_batch_between_reads_are_a_live_run_never_an_ended_o
     assert train_rank0(report)["figures"]["batches"] == 0
 
 
+@pytest.mark.torch  # a training script writes the directory the doctor reads
+@pytest.mark.slow
 def test_the_doctor_never_deletes_nor_skips_an_old_file(
         ended: tuple[Path, dict[str, float]], tmp_path: Path) -> None:
     directory = copy_of(ended, tmp_path)
@@ -201,6 +211,8 @@ def test_a_directory_of_only_a_corrupt_file_is_unreadable_in_one_line(tmp_path: 
     assert "no valid snapshot file" in line and "1 file in" in line and "malformed" in line
 
 
+@pytest.mark.torch  # a training script writes the directory the doctor reads
+@pytest.mark.slow
 def test_corrupt_files_beside_good_ones_are_skipped_and_counted(
         ended: tuple[Path, dict[str, float]], tmp_path: Path) -> None:
     directory = copy_of(ended, tmp_path)
@@ -220,6 +232,8 @@ def _as_rank(source: Path, name: str, rank: str, ago: float) -> None:
     os.utime(target, (time.time() - ago, time.time() - ago))
 
 
+@pytest.mark.torch  # a training script writes the directory the doctor reads
+@pytest.mark.slow
 def test_an_earlier_runs_files_in_the_directory_are_left_out_and_said(
         ended: tuple[Path, dict[str, float]], tmp_path: Path) -> None:
     directory = copy_of(ended, tmp_path)
@@ -233,6 +247,8 @@ def test_an_earlier_runs_files_in_the_directory_are_left_out_and_said(
         result.stderr)
 
 
+@pytest.mark.torch  # a training script writes the directory the doctor reads
+@pytest.mark.slow
 def test_ranks_share_a_machine_only_when_their_files_name_the_same_host(
         ended: tuple[Path, dict[str, float]], tmp_path: Path) -> None:
     directory = copy_of(ended, tmp_path)
@@ -246,6 +262,8 @@ def test_ranks_share_a_machine_only_when_their_files_name_the_same_host(
     assert local == {"0": 2, "1": 2, "2": 1}
 
 
+@pytest.mark.torch  # a training script writes the directory the doctor reads
+@pytest.mark.slow
 def test_a_live_run_is_read_twice_as_a_window(tmp_path: Path) -> None:
     stop = tmp_path / "stop"
     proc = train(tmp_path, n=16, delay=0.005, stop=stop)
@@ -267,6 +285,8 @@ def test_a_live_run_is_read_twice_as_a_window(tmp_path: Path) -> None:
     assert train_rank0(report)["verdict"] == "input-bound"
 
 
+@pytest.mark.torch  # a training script writes the directory the doctor reads
+@pytest.mark.slow
 def test_the_sidecar_of_a_run_that_has_ended_gives_whole_run_figures_not_idle(
         ended: tuple[Path, dict[str, float]], tmp_path: Path) -> None:
     directory = copy_of(ended, tmp_path)
@@ -285,6 +305,8 @@ def test_the_sidecar_of_a_run_that_has_ended_gives_whole_run_figures_not_idle(
     assert d["figures"]["window_seconds"] == pytest.approx(loop_seconds(directory), rel=1e-9)
 
 
+@pytest.mark.torch  # a training script writes the directory the doctor reads
+@pytest.mark.slow
 def test_samples_that_cannot_be_counted_are_unknown_not_zero(tmp_path: Path) -> None:
     # batch_size=None: the dataset's items are the batches, and a lone tensor beside an
     # index cannot say how many samples it holds, so the trainer exports no count.
@@ -358,7 +380,7 @@ STEADY = """
 import sys, time
 from pathlib import Path
 from dataloader_exporter import instrument
-from torch_helpers import SleepDataset
+from support.torch_helpers import SleepDataset
 loader = instrument.DataLoader(SleepDataset(64), batch_size=4, num_workers=2,
                                persistent_workers=True, name="train", metrics_dir=sys.argv[1])
 stop = Path(sys.argv[2])
@@ -385,6 +407,8 @@ def _steady(out: Path) -> tuple[subprocess.Popen[bytes], Path]:
     return proc, stop
 
 
+@pytest.mark.torch  # a training script writes the directory the doctor reads
+@pytest.mark.slow
 def test_a_trainer_killed_mid_epoch_ended_abruptly_one_that_exited_did_not(
         tmp_path: Path) -> None:
     """The same run, ended two ways: killed mid-epoch (SIGKILL, as the OOM killer or a

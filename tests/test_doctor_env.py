@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry
-from torch_helpers import SleepDataset
+from support.torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
-from dataloader_exporter.core.env import ENV_SETTINGS
+from dataloader_exporter.core.envnames import ENV_SETTINGS
 from dataloader_exporter.core.settings import for_loader, parse
 from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.report import build_report, env_line
 from dataloader_exporter.diagnosis.signals import LoaderSignals
+
+pytestmark = pytest.mark.torch
 
 
 def starved(rank: str, workers: int, loader: str = "train") -> LoaderSignals:

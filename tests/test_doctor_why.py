@@ -11,7 +11,7 @@ import pytest
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core.settings import for_loader, parse
-from dataloader_exporter.diagnosis import tuned, why
+from dataloader_exporter.diagnosis import tuner_report, why
 from dataloader_exporter.diagnosis.doctor import Diagnosis
 from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.report import Report, build_report, env_line
@@ -486,4 +486,4 @@ def test_only_the_settings_the_tuner_sets_are_held() -> None:
     assert d.tuner is not None and d.tuner.held == ["num_workers"]
     assert setting(d, "num_workers") is None
     assert setting(d, "prefetch_factor").value == "4"  # as for the untuned loader
-    assert "no num_workers advice while it sets it" in tuned.line(d.tuner)
+    assert "no num_workers advice while it sets it" in tuner_report.line(d.tuner)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import REPO, Exporter, http_get
+from support.procs import REPO, Exporter, http_get
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.exporter import config

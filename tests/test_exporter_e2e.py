@@ -7,14 +7,17 @@ import urllib.request
 from pathlib import Path
 
 import psutil
-from helpers import wait_for_write
-from procs import Exporter, Prometheus, scalar
+import pytest
 from prometheus_client import CollectorRegistry
-from torch_helpers import BurnDataset
+from support.helpers import wait_for_write
+from support.procs import Exporter, Prometheus, scalar
+from support.torch_helpers import BurnDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.instrument.hub import hub_for
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 
 def trainer_run(metrics_dir: Path) -> None:

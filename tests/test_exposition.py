@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -17,7 +18,7 @@ from prometheus_client import (
 )
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
-from torch_helpers import SleepDataset
+from support.torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
@@ -25,6 +26,8 @@ from dataloader_exporter.exporter import exposition
 from dataloader_exporter.exporter.collectors.supervisor import Supervisor
 from dataloader_exporter.exporter.collectors.trainer import TrainerCollector
 from dataloader_exporter.exporter.sources import system_sources
+
+pytestmark = pytest.mark.torch
 
 
 def busy_registry(tmp_path: Path) -> CollectorRegistry:

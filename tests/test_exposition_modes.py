@@ -13,14 +13,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import deadline_poll
-from procs import REPO, Prometheus, finish, free_port, scalar
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families as text_parse
+from support.helpers import deadline_poll
+from support.procs import REPO, Prometheus, finish, free_port, scalar
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.instrument.hub import Hub, hub_for
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 # Exactly the README's usage: no registry anywhere, `port=` on the loaders; a third loader
 # on prometheus_client's global REGISTRY (a caller's registry, with its process metrics).
@@ -28,7 +30,7 @@ TRAINER = """
 import os, sys, time
 from prometheus_client import REGISTRY
 from dataloader_exporter import DataLoader
-from torch_helpers import SleepDataset
+from support.torch_helpers import SleepDataset
 train_port, eval_port, global_port = map(int, sys.argv[1:4])
 stop = sys.argv[4]
 train = DataLoader(SleepDataset(16), batch_size=4, num_workers=2, persistent_workers=True,

@@ -1,4 +1,4 @@
-"""Bounds on flags and settings (issue 23): every bad listen address, count or setting is
+"""Bounds on flags and settings: every bad listen address, count or setting is
 exit status 2 with one line, the log names the address bound, and a 100 kB loader name is
 cut short in log lines (never in labels)."""
 
@@ -13,9 +13,9 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from procs import REPO, Exporter
 from prometheus_client import CollectorRegistry
-from torch_helpers import SleepDataset
+from support.procs import REPO, Exporter
+from support.torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core.settings import (
@@ -26,7 +26,9 @@ from dataloader_exporter.core.settings import (
     parse,
 )
 from dataloader_exporter.exporter import config
-from dataloader_exporter.exporter.command import bound_address
+from dataloader_exporter.exporter.serve_cli import bound_address
+
+pytestmark = pytest.mark.torch
 
 
 def serve(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -11,13 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import require_module
-from procs import REPO, SCRIPTS, Run, built_at, run_script
 from prometheus_client import CollectorRegistry
+from support.procs import REPO, SCRIPTS, Run, built_at, run_script
+from support.required import require_module
 
 from dataloader_exporter.core import advisor
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.instrument import zerocode
+from dataloader_exporter.instrument import zerocode_registry
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 ACCELERATE_LOADER = built_at("accelerate_train.py", "loader = DataLoader(", "main(sys.argv[1])")
 
@@ -32,7 +34,7 @@ def zero_code(tmp: Path, *command: str, settings: str = "") -> Run:
 def accelerate_torchrun(tmp_path_factory: pytest.TempPathFactory) -> Run:
     require_module("accelerate")
     tmp = tmp_path_factory.mktemp("accelerate")
-    # The tuner on (issue 22): each rank's prepared loader is tuned.
+    # The tuner on: each rank's prepared loader is tuned.
     return zero_code(tmp, sys.executable, "-m", "torch.distributed.run", "--standalone",
                      "--nproc_per_node=2", str(SCRIPTS / "accelerate_train.py"), str(tmp),
                      settings="*.num_workers=auto")
@@ -49,7 +51,7 @@ def hf_trainer(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def lightning_zero_code(tmp_path_factory: pytest.TempPathFactory) -> Run:
     require_module("lightning")
     tmp = tmp_path_factory.mktemp("lightning-zero-code")
-    # The tuner on (issue 22): Lightning's own copy of the loader is tuned, per rank.
+    # The tuner on: Lightning's own copy of the loader is tuned, per rank.
     return zero_code(tmp, sys.executable, str(SCRIPTS / "lightning_ddp.py"), str(tmp), "plain",
                      settings="*.num_workers=auto")
 
@@ -151,7 +153,8 @@ def test_accelerate_copies_of_instrumented_and_wrapped_loaders_are_measured(
     info = {s.labels["loader"]: s.labels for f in registry.collect() if f.name == cat.INFO.name
             for s in f.samples}
     assert info["theirs"]["batch_size"] == "8"
-    assert "mine" not in zerocode.never_iterated() and "theirs" not in zerocode.never_iterated()
+    assert "mine" not in zerocode_registry.never_iterated() and (
+        "theirs" not in zerocode_registry.never_iterated())
 
 
 @pytest.mark.parametrize("mode", ["zero-code", "wrap"])

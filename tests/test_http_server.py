@@ -21,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import deadline_poll
-from procs import Exporter, http_get
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families
+from support.helpers import deadline_poll
+from support.procs import Exporter, http_get
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.exporter.scrape import SingleFlight
@@ -107,6 +107,8 @@ def get(path: str, method: str = "GET", extra: str = "") -> bytes:
             ).encode()
 
 
+@pytest.mark.torch  # the `snapshots` fixture runs 4 ranks' trainers
+@pytest.mark.slow
 def test_head_sends_the_headers_of_get_without_a_body_and_other_methods_get_405(
         snapshots: Path) -> None:
     with exporter(*FAST, f"--metrics-dir={snapshots}") as exp:
@@ -140,6 +142,8 @@ def test_head_sends_the_headers_of_get_without_a_body_and_other_methods_get_405(
         assert status == "HTTP/1.1 400 Bad Request"
 
 
+@pytest.mark.torch  # the `snapshots` fixture runs 4 ranks' trainers
+@pytest.mark.slow
 def test_idle_and_slow_clients_are_closed_after_the_timeouts_while_scrapes_are_served(
         snapshots: Path) -> None:
     with exporter(*FAST, f"--metrics-dir={snapshots}") as exp:
@@ -198,11 +202,13 @@ def raise_own_file_limit(wanted: int) -> int:
     return soft
 
 
+@pytest.mark.torch  # the `snapshots` fixture runs 4 ranks' trainers
+@pytest.mark.slow
 def test_a_thousand_idle_connections_leave_scrapes_answered_and_resources_bounded(
         snapshots: Path) -> None:
     n = min(1000, raise_own_file_limit(1200) - 100)
     assert shutil.which("prlimit"), "util-linux prlimit"
-    # 256 descriptors in all, as in a small container: 300 idle connections used to
+    # 256 descriptors in all, as in a small container: 300 idle connections must not
     # starve the server of descriptors and time out every scrape.
     with exporter("--no-collector.gpu", f"--metrics-dir={snapshots}", max_files=256) as exp:
         pid = exp.proc.pid
@@ -226,6 +232,8 @@ def test_a_thousand_idle_connections_leave_scrapes_answered_and_resources_bounde
                 s.close()
 
 
+@pytest.mark.torch  # the `snapshots` fixture runs 4 ranks' trainers
+@pytest.mark.slow
 def test_over_the_connection_cap_the_longest_idle_connection_makes_way(
         snapshots: Path) -> None:
     with exporter("--no-collector.gpu", f"--metrics-dir={snapshots}",
@@ -241,6 +249,8 @@ def test_over_the_connection_cap_the_longest_idle_connection_makes_way(
             s.close()
 
 
+@pytest.mark.torch  # the `snapshots` fixture runs 4 ranks' trainers
+@pytest.mark.slow
 def test_clients_that_never_read_their_answers_cannot_lock_out_a_scrape(
         snapshots: Path) -> None:
     with exporter("--no-collector.gpu", f"--metrics-dir={snapshots}",
@@ -261,6 +271,8 @@ def test_clients_that_never_read_their_answers_cannot_lock_out_a_scrape(
         deadline_poll(lambda: exp_connections(exp) == 0, 10)  # nothing lingers
 
 
+@pytest.mark.torch  # the `snapshots` fixture runs 4 ranks' trainers
+@pytest.mark.slow
 def test_fifty_concurrent_clients_get_valid_bodies_from_shared_collections(
         snapshots: Path) -> None:
     clients, per_client = 50, 10
@@ -326,6 +338,8 @@ def test_concurrent_scrapes_join_the_collection_in_flight() -> None:
     assert bodies[0] is bodies[2]  # the same format is encoded once per collection
 
 
+@pytest.mark.torch  # the `snapshots` fixture runs 4 ranks' trainers
+@pytest.mark.slow
 def test_a_symlinked_secret_never_reaches_the_log_and_a_bad_file_counts_once(
         snapshots: Path, tmp_path: Path) -> None:
     directory = tmp_path / "metrics"
@@ -360,8 +374,8 @@ class Gate:
 
 @contextlib.contextmanager
 def gated_server(cap: int, web_file: Path | None = None) -> Iterator[tuple[Gate, object]]:
-    from dataloader_exporter.exporter import webconfig
-    from dataloader_exporter.exporter.http import Limits, serve
+    from dataloader_exporter.exporter.web import webconfig
+    from dataloader_exporter.exporter.web.server import Limits, serve
 
     registry, gate = CollectorRegistry(), Gate()
     registry.register(gate)  # type: ignore[arg-type]
@@ -382,7 +396,7 @@ def fetch_status(url: str, ctx: ssl.SSLContext | None = None) -> int:
 def test_newcomers_wait_for_busy_slots_and_are_all_served_in_turn_over_tls(
         tmp_path: Path) -> None:
 
-    from tls import make_tls_files
+    from support.tls import make_tls_files
 
     tls = make_tls_files(tmp_path / "tls")
     web = tmp_path / "web.yml"
@@ -423,7 +437,7 @@ def test_shutdown_closes_newcomers_still_waiting_for_a_slot() -> None:
 def test_evicting_connections_that_never_start_tls_is_quiet(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
 
-    from tls import make_tls_files
+    from support.tls import make_tls_files
 
     tls = make_tls_files(tmp_path / "tls")
     web = tmp_path / "web.yml"

@@ -1,4 +1,4 @@
-"""The import rules of STYLE.md and issue 21, kept by walking every module's imports
+"""The import rules, kept by walking every module's imports
 (function-level ones included): one installed namespace, ``dataloader_exporter``; core/ is
 the standard-library base; exporter/ builds on it; diagnosis/, instrument/ and
 dashboards/ build on those; only the command table names them all, and it loads each
@@ -33,9 +33,9 @@ MAY = {
 }
 # The trainer side's modules import these of the exporter only inside the function that
 # serves in-process: the drop-in loads no HTTP server, asyncio or web configuration.
-SERVING = {"exporter.http", "exporter.httpconn", "exporter.httpwire", "exporter.webconfig",
-           "exporter.basicauth", "exporter.config", "exporter.command", "exporter.scrape",
-           "exporter.sources"}
+SERVING = {"exporter.web.server", "exporter.web.connection", "exporter.web.pacer",
+           "exporter.web.wire", "exporter.web.webconfig", "exporter.web.basic_auth",
+           "exporter.config", "exporter.serve_cli", "exporter.scrape", "exporter.sources"}
 
 
 def _name(path: Path) -> str:
@@ -222,16 +222,19 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 def test_the_rule_walker_sees_imports_inside_functions_and_relative_ones(tmp_path: Path
                                                                         ) -> None:
     probe = tmp_path / "probe.py"
-    probe.write_text("import typing\nfrom . import gpu\nif typing.TYPE_CHECKING:\n"
+    probe.write_text("import typing\nfrom . import gpu_nvml\nif typing.TYPE_CHECKING:\n"
                      "    import numpy\ndef f():\n    import torch\n"
-                     "    from ..http import serve\n")
+                     "    from ..web.server import serve\n")
     name = "exporter.collectors.base"  # read as if it were this module
     assert imported(probe, module=name) == {
-        "typing", "numpy", "torch", f"{NS}.exporter.collectors.gpu", f"{NS}.exporter.http"}
+        "typing", "numpy", "torch", f"{NS}.exporter.collectors.gpu_nvml",
+        f"{NS}.exporter.web.server"}
     assert imported(probe, top_level_only=True, module=name) == {
-        "typing", f"{NS}.exporter.collectors.gpu"}
+        "typing", f"{NS}.exporter.collectors.gpu_nvml"}
 
 
+@pytest.mark.torch  # it imports the demo's and the drop-in's modules
+@pytest.mark.slow
 def test_every_command_module_loads_and_owns_its_arguments() -> None:
     from dataloader_exporter.cli import COMMANDS
 
@@ -250,7 +253,7 @@ def test_every_command_module_loads_and_owns_its_arguments() -> None:
 
 def test_the_command_list_loads_no_command() -> None:
     code = ("import sys; from dataloader_exporter.cli import main; main(['--help']); "
-            "sys.exit(sorted({'dataloader_exporter.exporter.command', "
+            "sys.exit(sorted({'dataloader_exporter.exporter.serve_cli', "
             "'dataloader_exporter.diagnosis', 'dataloader_exporter.instrument', "
             "'dataloader_exporter.dashboards', 'torch'} & set(sys.modules)) or 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -259,6 +262,8 @@ def test_the_command_list_loads_no_command() -> None:
     assert "serve" in result.stdout and "dashboards" in result.stdout
 
 
+@pytest.mark.torch  # it imports the demo's and the drop-in's modules
+@pytest.mark.slow
 def test_the_drop_in_loads_neither_the_server_nor_the_doctor() -> None:
     """Measured in a process that imports torch first, as a training script does."""
     code = ("import sys, torch, torch.utils.data; before = set(sys.modules); "
@@ -275,3 +280,14 @@ def test_the_drop_in_loads_neither_the_server_nor_the_doctor() -> None:
     # (http.server is prometheus_client's own: its exposition module, write_to_textfile's,
     # imports it. Ours is asyncio.)
     assert not new & {"asyncio", "ssl", "yaml", "bcrypt", "pynvml", "psutil"}, sorted(new)
+
+
+def test_no_module_name_repeats_across_the_packages() -> None:
+    """A module's file name says what it holds wherever it is seen (a traceback, an editor
+    tab, a log line), so no two modules of ours share one; only __init__.py repeats."""
+    seen: dict[str, list[str]] = {}
+    for path in [*ROOT.glob("*.py"), *(p for pkg in PACKAGES for p in modules(pkg))]:
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    repeated = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not repeated, repeated

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dataloader_exporter.diagnosis.doctor import diagnose, verdict
-from dataloader_exporter.diagnosis.jobs import job, points
+from dataloader_exporter.diagnosis.job_signals import job, points
 from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.report import build_report
 from dataloader_exporter.diagnosis.signals import LoaderSignals
@@ -31,7 +31,7 @@ def machine(cores: int = 16) -> Machine:
     return Machine(cores, None, 64 << 30, 32 << 30, 64 << 30, "nvme", "/data")
 
 
-# The issue's run: rank 1 waits 21 ms a batch for input, rank 0 2.5 ms, and rank 0 waits
+# A two-rank run: rank 1 waits 21 ms a batch for input, rank 0 2.5 ms, and rank 0 waits
 # the difference inside its all-reduce, so both ranks' batches take about 42.5 ms.
 SLOW = [rank("0", 2.5, 40.0), rank("1", 21.7, 20.8)]
 EVEN = [rank("0", 2.4, 40.0), rank("1", 2.6, 39.9)]

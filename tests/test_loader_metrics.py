@@ -6,13 +6,15 @@ import time
 
 import pytest
 import torch
-from helpers import refreshes, scrape, value
 from prometheus_client import CollectorRegistry
-from torch_helpers import BurnDataset, SleepDataset
+from support.helpers import refreshes, scrape, value
+from support.torch_helpers import BurnDataset, SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
+
+pytestmark = pytest.mark.torch
 
 L = {"loader": "t", "rank": "0"}
 DEV_SHM = str(shm_space(SHM_PATH).size)  # the trainer's own /dev/shm, in dataloader_info
@@ -219,7 +221,7 @@ class FakeProperties:
 
 
 def test_the_gpu_a_rank_feeds_is_named_by_its_nvml_uuid() -> None:
-    from dataloader_exporter.instrument.gpu import gpu_uuid
+    from dataloader_exporter.instrument.rank_gpu import gpu_uuid
 
     dev = torch.device("cuda", 0)
     uuid = "6e1a4c2d-3b1f-9a0e-55c1-0d2b7f8e9a10"
@@ -238,7 +240,7 @@ def test_dataloader_info_carries_the_gpu_uuid_once_batches_go_to_cuda(
                  prefetch_factor="", pin_memory="false", persistent_workers="false",
                  gpu_uuid="", dev_shm_bytes=DEV_SHM) == 1
     # No GPU here: to_device's CUDA branch calls exactly this with the device's UUID.
-    loader._dle.note_gpu("GPU-6e1a4c2d")
+    loader._instruments.note_gpu("GPU-6e1a4c2d")
     for _ in loader:
         pass
     assert value(registry, cat.INFO.name, **L, num_workers="0", batch_size="2",

@@ -10,12 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import refreshes, scrape, value
 from prometheus_client import CollectorRegistry
-from torch.utils.data import BatchSampler, RandomSampler
-from torch.utils.data import DataLoader as TorchDataLoader
-from torch.utils.data.datapipes.iter import IterableWrapper
-from torch_helpers import (
+from support.helpers import refreshes, scrape, value
+from support.torch_helpers import (
     BurnDataset,
     FailingDataset,
     GetItemsDataset,
@@ -25,9 +22,14 @@ from torch_helpers import (
     WhoAmI,
     WhoAmIIterable,
 )
+from torch.utils.data import BatchSampler, RandomSampler
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data.datapipes.iter import IterableWrapper
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
+
+pytestmark = pytest.mark.torch
 
 WORKERS = [0, 2]
 
@@ -85,6 +87,7 @@ def test_len_of_an_iterable_without_len_raises_the_same_type_error(
     assert len(sized) == len(sized_bare) == 2
 
 
+@pytest.mark.slow  # torch joins each worker a dataset error ended for 5 s
 @pytest.mark.parametrize("workers", WORKERS)
 def test_dataset_errors_reach_the_loop_with_the_same_type_and_message(
         registry: CollectorRegistry, workers: int) -> None:
@@ -273,10 +276,11 @@ def test_a_getitems_dataset_is_fetched_through_getitems_as_torch_does(
 def test_an_iterable_dataset_without_batching_gives_the_same_items(
         registry: CollectorRegistry) -> None:
     """Each item a lone tensor of shape [1]: one sample, or a batch of one? Not known, so
-    no sample count is given (item_len in instrument/batch.py)."""
+    no sample count is given (item_len in instrument/hotpath_batch.py)."""
     _same_everywhere(RangeIterable(7), registry, None, batch_size=None, num_workers=2)
 
 
+@pytest.mark.slow  # torch joins each worker a dataset error ended for 5 s
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_every_start_method_gives_the_same_batches_and_worker_figures(
         registry: CollectorRegistry, method: str) -> None:
@@ -362,6 +366,7 @@ def test_a_wrapped_torch_loader_gives_what_a_bare_one_gives_side_by_side(
     assert wrapped.collate_fn is collate
 
 
+@pytest.mark.slow  # torch joins each worker a dataset error ended for 5 s
 @pytest.mark.parametrize("workers", WORKERS)
 def test_a_wrapped_torch_loader_raises_what_a_bare_one_raises(
         registry: CollectorRegistry, workers: int) -> None:

@@ -11,9 +11,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from procs import Exporter, http_get
+from support.procs import Exporter, http_get
 
 from dataloader_exporter.core import catalogue as cat
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 USERS_OWN = {
     "exporter.py": "model export code",

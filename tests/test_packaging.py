@@ -12,10 +12,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from procs import REPO, Exporter
+from support.procs import REPO, Exporter
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.exporter import config
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 from prometheus_client import CollectorRegistry
-from torch_helpers import SleepDataset
+from support.torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import advisor
@@ -18,6 +18,8 @@ from dataloader_exporter.instrument.preflight import (
     shm_needed,
     shm_size_advice,
 )
+
+pytestmark = pytest.mark.torch
 
 MiB = 1024**2
 
@@ -140,7 +142,7 @@ def test_batches_that_would_overflow_shm_warn_with_the_numbers_and_the_fix(
                                    num_workers=2, persistent_workers=True, name="t",
                                    registry=registry)
     # A Docker-default 64 MiB /dev/shm, mostly full, injected (this machine's is 24 GB).
-    loader._dle.preflight = Preflight(
+    loader._instruments.preflight = Preflight(
         "t", shm_probe=lambda p: ShmSpace(p, 64 * MiB, 48 * MiB, 16 * MiB))
     run(loader, 2)
     shm = [w for w in warnings_of(caplog) if "bus error" in w]
@@ -158,7 +160,7 @@ def test_batches_that_fit_in_shm_do_not_warn(registry: CollectorRegistry,
                                              caplog: pytest.LogCaptureFixture) -> None:
     loader = instrument.DataLoader(SleepDataset(8, width=1024), batch_size=4, num_workers=2,
                                    persistent_workers=True, name="t", registry=registry)
-    loader._dle.preflight = Preflight(
+    loader._instruments.preflight = Preflight(
         "t", shm_probe=lambda p: ShmSpace(p, 64 * MiB, 4 * MiB, 60 * MiB))
     run(loader)
     assert warnings_of(caplog) == []

@@ -2,7 +2,7 @@
 read without torch still have the shape of what instrument's SnapshotWriter writes today:
 the same families, types and help texts, and the same labels on each sample name. Values,
 timestamps and series whose presence depends on timing (a worker read too briefly) are
-left out. When this fails, rewrite them: `.venv/bin/python tests/real_snapshots.py`."""
+left out. When this fails, rewrite them: `.venv/bin/python tests/support/real_snapshots.py`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from real_snapshots import CASES, Case, file_name, real_snapshot
-from torch_helpers import write_real_snapshot
+from support.real_snapshots import CASES, Case, file_name, real_snapshot
+from support.torch_helpers import write_real_snapshot
+
+pytestmark = pytest.mark.torch
 
 Families = dict[str, tuple[str, str]]
 Labels = dict[str, set[tuple[str, ...]]]
@@ -32,7 +34,8 @@ def test_the_committed_snapshot_has_the_shape_the_writer_writes_today(case: Case
     rank, loaders, batches, first, exited = case
     committed, committed_labels = shape(real_snapshot(rank, loaders, batches, first, exited))
     fresh, fresh_labels = shape(write_real_snapshot(rank, loaders, batches, first, exited))
-    hint = f"rewrite tests/trainer_snapshots/ (python tests/real_snapshots.py); {file_name(case)}"
+    hint = ("rewrite tests/trainer_snapshots/ (python tests/support/real_snapshots.py); "
+            f"{file_name(case)}")
     assert committed == fresh, (hint, diff(committed, fresh))
     both = committed_labels.keys() & fresh_labels.keys()
     assert {n: committed_labels[n] for n in both} == {n: fresh_labels[n] for n in both}, hint

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import yaml
-from rulefiles import FILES, promtool_run, write_rule_file
+from support.rulefiles import FILES, promtool_run, write_rule_file
 from test_dashboards import known_series, metric_names
 
 from dataloader_exporter.dashboards import recording

@@ -11,11 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from helpers import deadline_poll
+from support.helpers import deadline_poll
+from support.torch_helpers import SleepDataset
 from torch.utils.data import DataLoader as TorchDataLoader
-from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 
 def open_fds() -> int:

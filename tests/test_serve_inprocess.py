@@ -6,12 +6,14 @@ import urllib.error
 import urllib.request
 
 import pytest
-from helpers import parse
 from prometheus_client import CollectorRegistry
-from torch_helpers import SleepDataset
+from support.helpers import parse
+from support.torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
+
+pytestmark = pytest.mark.torch
 
 
 def get(url: str, accept: str | None = None) -> tuple[int, str, str]:
@@ -57,16 +59,17 @@ def test_a_taken_port_is_logged_and_the_loader_still_works(
         handle.shutdown()
 
 
+@pytest.mark.slow
 def test_a_client_in_a_tight_loop_waits_its_turn_and_others_are_answered_at_once(
         registry: CollectorRegistry) -> None:
-    """In-process pacing (exporter.http.IN_PROCESS): after a burst, a peer is answered
+    """In-process pacing (exporter.web.server.IN_PROCESS): after a burst, a peer is answered
     once per peer_interval however fast it asks (waiting costs the training loop
     nothing), and another peer scraping once in a while is answered without waiting."""
     import http.client
     import threading
     import time
 
-    from dataloader_exporter.exporter.http import IN_PROCESS
+    from dataloader_exporter.exporter.web.server import IN_PROCESS
 
     handle = instrument.serve(0, addr="127.0.0.1", registry=registry)
     answered = 0

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from torch_helpers import SleepDataset
+from support.torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
@@ -21,8 +21,10 @@ from dataloader_exporter.core.settings import (
     parse,
 )
 
+pytestmark = pytest.mark.torch
 
-def test_the_issue_example_parses_to_loader_setting_value() -> None:
+
+def test_the_documented_example_parses_to_loader_setting_value() -> None:
     assert parse("train.num_workers=8,train.prefetch_factor=4,*.persistent_workers=true") == (
         Setting("train", "num_workers", 8), Setting("train", "prefetch_factor", 4),
         Setting("*", "persistent_workers", True))

@@ -18,10 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import parse
-from procs import Exporter
 from prometheus_client import CollectorRegistry
-from real_snapshots import real_snapshot
+from support.clock import Clock
+from support.helpers import parse
+from support.procs import Exporter
+from support.real_snapshots import real_snapshot
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.exporter.collectors import snapshot
@@ -83,6 +84,7 @@ def snapshot_lines(exp: Exporter) -> list[str]:
     return [line for line in exp.lines if "snapshot" in line]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
 def test_twenty_rejected_files_near_the_bounds_keep_the_sidecar_far_under_its_limit(
         tmp_path: Path) -> None:
@@ -137,6 +139,7 @@ print(writes)
 """
 
 
+@pytest.mark.slow
 def test_a_file_rewritten_in_place_a_hundred_times_a_second_is_neither_counted_nor_logged(
         tmp_path: Path, good: bytes) -> None:
     metrics = tmp_path / "metrics"
@@ -168,12 +171,10 @@ def test_a_file_rewritten_in_place_a_hundred_times_a_second_is_neither_counted_n
         assert writes >= 200 and scrapes >= 20
         # Many reads find the file empty, a few find it half-written: the second read, at
         # once, is whole, or the file is written long before it has been empty for a
-        # second; meanwhile its last whole version is served (before that, from 5 to 70
-        # of 80 scrapes served none of its series). The first scrape may come before the
-        # sidecar has ever read it whole. Left: a writer descheduled mid-write for longer
-        # than the two reads take leaves the same partial bytes to both, counted as one
-        # error with its two log lines (skipping, valid again): seen once in a few runs
-        # on a loaded machine, where the issue's writer cost 209 errors and 422 lines.
+        # second; meanwhile its last whole version is served. The first scrape may come
+        # before the sidecar has ever read it whole. Left: a writer descheduled mid-write
+        # for longer than the two reads take leaves the same partial bytes to both, counted
+        # as one error with its two log lines (skipping, valid again).
         bad = errors(samples)
         assert bad <= 1 and len(snapshot_lines(exp)) <= 2 * bad, snapshot_lines(exp)
         assert served >= scrapes - 1 - bad, (served, scrapes)
@@ -242,19 +243,10 @@ def test_a_torn_read_is_read_again_at_once_and_counted_only_if_the_same_bytes_co
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_an_empty_file_counts_only_once_it_has_stayed_empty_for_a_second(
-        tmp_path: Path, good: bytes) -> None:
+        tmp_path: Path, good: bytes, clock: Clock) -> None:
     path = tmp_path / "a.prom"
     path.write_bytes(b"")
-    clock = Clock()
     _, scrape = collector_and_errors(tmp_path, snapshot.read, clock)
     assert scrape() == (0, None)  # perhaps truncated by a writer about to write it
     path.write_bytes(good)

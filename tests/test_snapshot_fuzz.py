@@ -23,13 +23,15 @@ from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
 from prometheus_client.parser import text_string_to_metric_families as text_families
-from real_snapshots import real_snapshot
+from support.real_snapshots import real_snapshot
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.exporter import exposition
 from dataloader_exporter.exporter.collectors.snapshot import Rejected, Snapshot
 from dataloader_exporter.exporter.collectors.supervisor import Supervisor
 from dataloader_exporter.exporter.collectors.trainer import TrainerCollector
+
+pytestmark = pytest.mark.slow
 
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 TRAINER_NAMES = {s for m in cat.ALL if m.source == cat.TRAINER for s in cat.series_names(m)}

@@ -11,13 +11,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import deadline_poll, parse, scrape, small_tmpfs, wait_for_write
 from prometheus_client import CollectorRegistry, generate_latest
-from torch_helpers import SleepDataset
+from support.helpers import deadline_poll, parse, scrape, small_tmpfs, wait_for_write
+from support.torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.instrument.hub import hub_for
+
+pytestmark = pytest.mark.torch
 
 REPO = Path(__file__).resolve().parents[1]
 L = (("loader", "t"), ("rank", "0"))
@@ -45,6 +47,7 @@ def test_snapshot_files_parse_and_match_the_registry(tmp_path: Path,
     assert not [p for p in tmp_path.iterdir() if not p.name.endswith(".prom")]
 
 
+@pytest.mark.slow
 def test_the_end_of_an_epoch_triggers_a_prompt_write(tmp_path: Path,
                                                      registry: CollectorRegistry) -> None:
     writer = hub_for(registry).write_snapshots(str(tmp_path), interval=3600)
@@ -62,12 +65,13 @@ def test_the_end_of_an_epoch_triggers_a_prompt_write(tmp_path: Path,
     assert deadline_poll(lambda: batches_in_file() == 3, 5.0)
 
 
+@pytest.mark.slow
 def test_a_short_run_writes_its_last_snapshot_at_exit(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO / 'tests')!r})
         from dataloader_exporter import instrument
-        from torch_helpers import SleepDataset
+        from support.torch_helpers import SleepDataset
         loader = instrument.DataLoader(SleepDataset(10), batch_size=3, name="t")
         it = iter(loader)
         next(it); next(it)
@@ -141,10 +145,11 @@ class _Held:
         return []
 
 
+@pytest.mark.slow
 def test_a_write_asked_for_while_one_is_under_way_is_not_lost(tmp_path: Path) -> None:
     """The end of an epoch asks for a write while the snapshot thread is writing: the write
     under way began before the ask, so one more must follow."""
-    from dataloader_exporter.instrument.hub import SnapshotWriter
+    from dataloader_exporter.instrument.snapshot_writer import SnapshotWriter
 
     held = _Held()
     registry = CollectorRegistry()

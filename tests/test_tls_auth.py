@@ -13,13 +13,15 @@ from pathlib import Path
 
 import bcrypt
 import pytest
-from conftest import require_binary
-from procs import Exporter, Prometheus, http_get
 from prometheus_client import CollectorRegistry
-from tls import TlsFiles, make_tls_files
+from support.procs import Exporter, Prometheus, http_get
+from support.required import require_binary
+from support.tls import TlsFiles, make_tls_files
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
+
+pytestmark = pytest.mark.torch
 
 PASSWORD = "s3cret-scrape"
 
@@ -65,6 +67,7 @@ def plain_http_answer(address: str) -> bytes:
     return data
 
 
+@pytest.mark.slow
 def test_prometheus_scrapes_over_tls_with_basic_auth_and_others_are_refused(
         tmp_path: Path) -> None:
     tls = make_tls_files(tmp_path / "tls")
@@ -143,6 +146,7 @@ def test_the_in_process_server_takes_the_same_web_config(tmp_path: Path) -> None
                          web_config_file=str(tmp_path / "no-such.yml"))
 
 
+@pytest.mark.slow
 def test_idle_connections_that_never_start_tls_cannot_starve_a_tls_scrape(
         tmp_path: Path) -> None:
     tls = make_tls_files(tmp_path / "tls")
@@ -161,6 +165,7 @@ def test_idle_connections_that_never_start_tls_cannot_starve_a_tls_scrape(
         assert exp.stop() == 0
 
 
+@pytest.mark.slow
 def test_wrong_passwords_queue_for_bcrypt_but_a_known_password_never_waits(
         tmp_path: Path) -> None:
     """bcrypt runs on its own thread, a few checks queued at most (429 beyond); a password

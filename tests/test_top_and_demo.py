@@ -13,14 +13,16 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from procs import REPO
 from prometheus_client import CollectorRegistry
-from torch_helpers import SleepDataset
+from support.procs import REPO
+from support.torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import advisor
 from dataloader_exporter.diagnosis import top
 from dataloader_exporter.diagnosis.signals import Scrape, Window, loaders
+
+pytestmark = pytest.mark.torch
 
 
 @pytest.fixture
@@ -63,6 +65,7 @@ def _read_until(fd: int, pattern: str, timeout: float) -> str:
     return out.decode(errors="replace")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["q", "ctrl-c"])
 def test_top_draws_in_a_terminal_and_quits_cleanly(
         live: tuple[instrument.DataLoader, str], how: str) -> None:
@@ -97,6 +100,7 @@ def _row(out: str, label: str) -> list[str]:
     return re.split(r"\s{2,}", line.strip())[1:]
 
 
+@pytest.mark.slow
 def test_the_demo_runs_three_configurations_and_the_auto_one_settles_on_a_worker() -> None:
     """Starved, the doctor's settings, and tune=True from num_workers=0: the tuner gives
     the loop workers within its budget (1 on 2 cores without CUDA) and keeps them; timing

@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import parse, scrape
 from prometheus_client import CollectorRegistry, generate_latest
-from torch_helpers import SleepDataset
+from support.clock import Clock
+from support.helpers import parse, scrape
+from support.torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
@@ -18,15 +19,9 @@ from dataloader_exporter.exporter.collectors.supervisor import Supervisor
 from dataloader_exporter.exporter.collectors.trainer import TrainerCollector
 from dataloader_exporter.instrument.hub import hub_for
 
+pytestmark = pytest.mark.torch
+
 L = (("loader", "t"), ("rank", "0"))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def trainer_file(directory: Path, batches: int, loader: str = "t", rank: str = "0",
@@ -67,8 +62,7 @@ def test_files_of_several_ranks_are_merged(tmp_path: Path) -> None:
     assert age is not None and 0 <= age < 5
 
 
-def test_stale_files_are_dropped_without_being_read(tmp_path: Path) -> None:
-    clock = Clock()
+def test_stale_files_are_dropped_without_being_read(tmp_path: Path, clock: Clock) -> None:
     old = trainer_file(tmp_path, 3, rank="0")
     os.utime(old, (clock.now - 100, clock.now - 100))
     trainer_file(tmp_path, 5, rank="1")
@@ -81,8 +75,7 @@ def test_stale_files_are_dropped_without_being_read(tmp_path: Path) -> None:
 
 
 def test_a_hundred_restarts_leave_no_stale_series_and_no_double_counting(
-        tmp_path: Path) -> None:
-    clock = Clock()
+        tmp_path: Path, clock: Clock) -> None:
     collector = TrainerCollector(str(tmp_path), stale_after=30, clock=clock)
     reg = exporter_registry(collector)
     start = clock.now

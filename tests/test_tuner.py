@@ -1,7 +1,7 @@
-"""The tuner's decisions (core/tuner.py), driven by a small model of an input pipeline
+"""The tuner's decisions (core/tuner_rules.py), driven by a small model of an input pipeline
 whose figures are those the instrumentation measures: samples/s, the loop's stall share,
 the workers' running and waiting-for-CPU shares. The real loop, with real workers, is
-issue 22's integration; these tests pin the rules: converge, stay, respect budgets, go
+test_tuner_loader.py's; these tests pin the rules: converge, stay, respect budgets, go
 back when a change did not help, and never move on an unknown figure."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dataloader_exporter.core import bands
-from dataloader_exporter.core.tuner import (
+from dataloader_exporter.core.tuner_rules import (
     MAX_TRIALS,
     UNSEEN_EPOCHS,
     Budget,

@@ -1,8 +1,8 @@
-"""The loader tuner never goes past its budgets (issue 22), with real limits: a memory
+"""The loader tuner never goes past its budgets, with real limits: a memory
 cgroup (v1 here) with less room than one more worker, a private /dev/shm too small for the
 batches one worker would keep in flight, a process pinned to one CPU, and a torchrun job
-whose ranks share the cores. Each case runs tuner_job.py in a process of its own, tuned
-through $DATALOADER_EXPORTER_SETTINGS as a user would, and, where the limit is what stops
+whose ranks share the cores. Each case runs support/tuner_job.py in a process of its own,
+tuned through $DATALOADER_EXPORTER_SETTINGS as a user would, and, where the limit is what stops
 the growth, a control run beside it that grows without the limit. Assertions are on the
 settings each epoch ran with, the tuner's log lines and metrics, and exit statuses.
 """
@@ -19,14 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from procs import REPO
+from support.procs import REPO
 
 from dataloader_exporter.core import advisor, bands
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.core.env import ENV_SETTINGS
+from dataloader_exporter.core.envnames import ENV_SETTINGS
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 TESTS = REPO / "tests"
-JOB = TESTS / "tuner_job.py"
+JOB = TESTS / "support" / "tuner_job.py"
 AUTO = "train.num_workers=auto,train.prefetch_factor=auto"
 JOB_TIMEOUT = 60  # seconds; a job takes about 5 s on 2 cores
 TORCHRUN_TIMEOUT = 120  # about 10 s

@@ -1,6 +1,7 @@
-"""The loader tuner in a real loop (instrument/tuning.py): its changes happen between
+"""The loader tuner in a real loop (instrument/tuner_loop.py): its changes happen between
 iterators and never change the data. Each case runs torch's own DataLoader and the tuned
-one side by side over the same dataset, seed and epochs, and compares every batch."""
+one side by side over the same dataset, seed and epochs, and compares every batch.
+One module, though long: every case is that comparison, through the same epoch helpers."""
 
 from __future__ import annotations
 
@@ -10,19 +11,21 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import require_module
-from helpers import scrape
 from prometheus_client import CollectorRegistry, generate_latest
-from torch_helpers import BurnDataset, RangeIterable
+from support.helpers import scrape
+from support.required import require_module
+from support.torch_helpers import BurnDataset, RangeIterable
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import advisor
-from dataloader_exporter.instrument import compat, tuning
-from dataloader_exporter.instrument.env import local_world_size
+from dataloader_exporter.instrument import compat, tuner_loop, tuner_order
+from dataloader_exporter.instrument.rank import local_world_size
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 EPOCHS = 4
 BATCH = 8
-N = 96  # 12 batches an epoch: past tuning.MIN_BATCHES
+N = 96  # 12 batches an epoch: past tuner_epoch.MIN_BATCHES
 CPU = 0.002  # CPU seconds per sample: the loop waits on it without workers
 
 Batches = list[list[torch.Tensor]]
@@ -256,7 +259,7 @@ def test_a_loader_that_refuses_a_change_keeps_training_with_its_own_settings(
 def test_a_long_epoch_gets_advice_not_a_change(
         registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch,
         tuner_log: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(tuning, "LONG_EPOCH", 0.05)
+    monkeypatch.setattr(tuner_loop, "LONG_EPOCH", 0.05)
     loader = instrument.DataLoader(BurnDataset(N, cpu=CPU), batch_size=BATCH, name="long",
                                    registry=registry, tune=True)
     it = iter(loader)
@@ -336,14 +339,14 @@ def test_which_samplers_let_a_new_pool_keep_the_order() -> None:
             torch.utils.data.DataLoader(data, batch_sampler=accelerate.BatchSamplerShard(
                 torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(data), 4, False),
                 2, 0))]
-    assert [tuning._order_bound(loader, 0) for loader in lazy] == [None] * 4
+    assert [tuner_order.order_bound(loader, 0) for loader in lazy] == [None] * 4
     # torch's BatchSampler builds its sampler's iterator at its first batch: lazy even
     # over an eager sampler. Without batching, the eager sampler is torch's to iterate.
-    assert tuning._order_bound(torch.utils.data.DataLoader(
+    assert tuner_order.order_bound(torch.utils.data.DataLoader(
         data, batch_size=4, sampler=EagerSampler(40)), 0) is None
     eager = torch.utils.data.DataLoader(data, batch_size=None, sampler=EagerSampler(40))
-    assert "EagerSampler" in (tuning._order_bound(eager, 0) or "")
-    assert tuning._order_bound(torch.utils.data.DataLoader(
+    assert "EagerSampler" in (tuner_order.order_bound(eager, 0) or "")
+    assert tuner_order.order_bound(torch.utils.data.DataLoader(
         data, batch_size=None, sampler=EagerSampler(40), num_workers=1), 1) is None
 
 
@@ -356,7 +359,7 @@ def test_the_first_epoch_with_workers_has_their_shares_with_no_reader(
     loader = instrument.DataLoader(BurnDataset(160, cpu=0.01), batch_size=8, name="shares",
                                    registry=registry, tune=("num_workers",))
     epochs(loader, 1)
-    tuning_ = loader._dle.tuning
+    tuning_ = loader._instruments.tuning
     assert tuning_ is not None
     seen: list[Any] = []
     observe = tuning_.tuner.observe
@@ -407,7 +410,7 @@ SPAWN_JOB = """
 import json, sys, torch
 torch.multiprocessing.set_start_method("spawn", force=True)
 sys.path.insert(0, sys.argv[1])
-from torch_helpers import BurnDataset
+from support.torch_helpers import BurnDataset
 from dataloader_exporter import instrument
 
 class Unpicklable(BurnDataset):
@@ -503,7 +506,7 @@ def test_a_long_epoch_of_a_stateful_loader_gets_its_queue_deepened_mid_epoch(
     state_dict(), the new prefetch_factor and load_state_dict(); the loop sees the very
     batches of the untuned loader, and the old pool's worker is gone."""
     sdl = require_module("torchdata.stateful_dataloader")
-    monkeypatch.setattr(tuning, "LONG_EPOCH", 0.2)
+    monkeypatch.setattr(tuner_loop, "LONG_EPOCH", 0.2)
     monkeypatch.setenv("DATALOADER_EXPORTER_SETTINGS", "long-stateful.prefetch_factor=auto")
 
     def build() -> Any:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import bcrypt
 import pytest
-from tls import TlsFiles, make_tls_files
+from support.tls import TlsFiles, make_tls_files
 
-from dataloader_exporter.exporter.basicauth import BasicAuth
-from dataloader_exporter.exporter.webconfig import WebConfig, WebConfigError, load
+from dataloader_exporter.exporter.web.basic_auth import BasicAuth
+from dataloader_exporter.exporter.web.webconfig import WebConfig, WebConfigError, load
 
 PASSWORD = b"correct horse"
 HASH = bcrypt.hashpw(PASSWORD, bcrypt.gensalt(rounds=4)).decode()

@@ -1,4 +1,4 @@
-"""Why the input is slow and why a worker failed, caused for real (issue 20): workers that
+"""Why the input is slow and why a worker failed, caused for real: workers that
 spin, that fight over one core, that sleep; a dataset that raises, a worker that
 segfaults, one killed from outside, a /dev/shm too small, a memory cgroup's OOM kill.
 Each failing case runs torch's own DataLoader first, then ours, in the same process: the
@@ -15,11 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from procs import REPO, SCRIPTS, Run, run_script
+from support.clock import Clock
+from support.procs import REPO, SCRIPTS, Run, run_script
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core.facts.cgroup import OomKills
-from dataloader_exporter.instrument.failures import OomWatch
+from dataloader_exporter.instrument.failure_causes import OomWatch
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 SCRIPT = str(SCRIPTS / "worker_cases.py")
 
@@ -179,18 +182,19 @@ class Counter:
         return self.value
 
 
-def test_an_oom_rise_is_claimed_once_by_a_worker_seen_alive_before_it() -> None:
-    kills, now = Counter(), [0.0]
-    watch = OomWatch(kills, clock=lambda: now[0])
+def test_an_oom_rise_is_claimed_once_by_a_worker_seen_alive_before_it(clock: Clock) -> None:
+    kills = Counter()
+    watch = OomWatch(kills, clock=clock)
     a = b = watch.read()  # two workers seen alive
     assert watch.claim(a) is False  # no rise: a SIGKILL from elsewhere
     kills.value = 1
     assert watch.claim(a) is True and watch.claim(b) is False  # one kill, one claim
-    kills.value, now[0] = 2, 5.0  # another process of the cgroup is OOM-killed...
+    kills.value = 2  # another process of the cgroup is OOM-killed...
+    clock.advance(5.0)
     c = watch.read()  # ...before worker c is last seen alive
-    now[0] = 6.0
+    clock.advance(1.0)
     assert watch.claim(c) is False  # so c's SIGKILL later is not the OOM killer's
-    now[0] = 30.0
+    clock.advance(24.0)
     assert watch.claim(c) is None  # seen too long ago: no cause rather than a guess
     kills.value = None
     assert watch.claim(watch.read()) is None  # the kernel gives no count
@@ -220,9 +224,9 @@ def test_the_snapshot_is_written_before_the_exception_reaches_the_loop(
         tmp_path: Path) -> None:
     """No periodic write for an hour: what the file says right after the loop caught the
     exception was written on the way to it."""
-    from helpers import parse
     from prometheus_client import CollectorRegistry
-    from torch_helpers import FailingDataset
+    from support.helpers import parse
+    from support.torch_helpers import FailingDataset
 
     from dataloader_exporter import instrument
 
@@ -257,7 +261,7 @@ def test_the_snapshot_is_written_before_the_exception_reaches_the_loop(
 ])
 def test_an_exception_is_given_only_the_cause_its_words_show(
         text: str, workers: int, cause: str | None) -> None:
-    from dataloader_exporter.instrument.failures import cause_of_error
+    from dataloader_exporter.instrument.failure_causes import cause_of_error
 
     assert cause_of_error(RuntimeError(text), workers) == cause
 
@@ -297,7 +301,7 @@ def test_worker_time_is_left_out_when_workers_live_shorter_than_a_reading() -> N
     """Epochs of a fraction of a second without persistent workers: each worker is read at
     most once, so there is no interval to count: unknown, not 0."""
     from prometheus_client import CollectorRegistry
-    from torch_helpers import SleepDataset
+    from support.torch_helpers import SleepDataset
 
     from dataloader_exporter import instrument
 

@@ -12,14 +12,16 @@ from typing import Any, cast
 
 import pytest
 import torch
-from helpers import parse, refreshes, value
 from prometheus_client import CollectorRegistry
+from support.helpers import parse, refreshes, value
+from support.torch_helpers import FailingDataset, SleepDataset
 from torch.utils.data import IterableDataset
-from torch_helpers import FailingDataset, SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.instrument import compat
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 L = {"loader": "t", "rank": "0"}
 
@@ -76,7 +78,7 @@ def test_workers_that_exit_cleanly_are_not_counted_as_lost(
         for _ in loader:
             value(registry, cat.WORKERS_ACTIVE.name, **L)  # refresh mid-epoch
     for _ in range(3):  # several refreshes after the workers are gone
-        loader._dle.rec.flush(now=1e12 + _)
+        loader._instruments.rec.flush(now=1e12 + _)
     assert value(registry, cat.WORKERS_LOST.name, **L) == 0
     assert value(registry, cat.WORKERS_ACTIVE.name, **L) == 0
 
@@ -136,7 +138,7 @@ def test_a_collection_during_a_scrape_never_counts_a_generation_twice(
     # happen at every allocation count in turn while a scrape reads the figures.
     loader = instrument.DataLoader(SleepDataset(4), batch_size=2, num_workers=1, name="t",
                                    registry=registry)
-    tracker = loader._dle.rec.workers
+    tracker = loader._instruments.rec.workers
 
     def samples() -> int:
         return sum(n for _, _, n, _ in tracker.per_worker())

@@ -11,16 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import value
-from procs import REPO, SCRIPTS, Run, built_at, run_script
 from prometheus_client import CollectorRegistry
+from support.helpers import value
+from support.procs import REPO, SCRIPTS, Run, built_at, run_script
+from support.torch_helpers import SleepDataset
 from torch.utils.data import DataLoader as TorchDataLoader
-from torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.instrument import zerocode
+from dataloader_exporter.instrument import zerocode_hooks
 from dataloader_exporter.run import autorun_dir
+
+pytestmark = pytest.mark.torch
 
 PLAIN = built_at("plain_torch.py", "plain = DataLoader(")
 SETTINGS = (f"train.prefetch_factor=3,train.persistent_workers=true,{PLAIN}.num_workers=1,"
@@ -43,6 +45,7 @@ def env_switch(tmp_path_factory: pytest.TempPathFactory) -> Run:
                  "DATALOADER_EXPORTER_SETTINGS": SETTINGS})
 
 
+@pytest.mark.slow  # `env_switch`: a shared training run
 def test_the_environment_switch_alone_instruments_every_loader_once(env_switch: Run) -> None:
     truth = env_switch.truth[0]
     names = {lab["loader"] for lab in env_switch.labels(0, cat.BATCHES.name)}
@@ -52,6 +55,7 @@ def test_the_environment_switch_alone_instruments_every_loader_once(env_switch: 
     assert truth["wrapped_is_a_dataloader"]
 
 
+@pytest.mark.slow  # `env_switch`: a shared training run
 def test_loaders_built_at_different_places_never_share_a_name(env_switch: Run) -> None:
     """A plain script's train and validation loaders over one dataset class, and two
     loaders one helper builds for two callers: each its own series and dataloader_info."""
@@ -65,10 +69,12 @@ def test_loaders_built_at_different_places_never_share_a_name(env_switch: Run) -
     assert env_switch.value(0, cat.SAMPLES.name, loader=truth["val_at"]) == 4
 
 
+@pytest.mark.slow  # `env_switch`: a shared training run
 def test_a_framework_probe_that_fetches_nothing_is_not_an_epoch(env_switch: Run) -> None:
     assert env_switch.value(0, cat.EPOCHS.name, loader="train") == 2
 
 
+@pytest.mark.slow  # `env_switch`: a shared training run
 def test_settings_from_the_environment_are_applied_logged_and_in_dataloader_info(
         env_switch: Run) -> None:
     truth = env_switch.truth[0]
@@ -84,6 +90,7 @@ def test_settings_from_the_environment_are_applied_logged_and_in_dataloader_info
     assert "names loader 'trian', but no loader of that name was built" in env_switch.log
 
 
+@pytest.mark.slow  # `env_switch`: a shared training run
 def test_a_loader_built_but_never_iterated_is_reported_once_at_exit(env_switch: Run) -> None:
     assert env_switch.log.count("dataloader 'lonely' was built but never iterated") == 1
     # Zero-code mode is on: the line does not point at it, as if it could do more.
@@ -91,6 +98,7 @@ def test_a_loader_built_but_never_iterated_is_reported_once_at_exit(env_switch: 
     assert "'mine' was built but never" not in env_switch.log
 
 
+@pytest.mark.slow  # `env_switch`: a shared training run
 def test_a_users_own_sitecustomize_still_runs(env_switch: Run) -> None:
     assert (env_switch.files[0].parent.parent / "their-sitecustomize-ran").exists()
 
@@ -104,6 +112,7 @@ def test_a_process_that_never_imports_torch_never_loads_it(tmp_path: Path) -> No
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
 
+@pytest.mark.slow
 def test_a_lookup_of_torch_before_its_import_does_not_switch_the_hook_off(
         tmp_path: Path) -> None:
     """transformers asks importlib.util.find_spec("torch") when it is imported; scripts
@@ -111,8 +120,8 @@ def test_a_lookup_of_torch_before_its_import_does_not_switch_the_hook_off(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([autorun_dir(), str(REPO)]),
            "DATALOADER_EXPORTER_AUTO": "1"}
     code = ("import importlib.util; importlib.util.find_spec('torch'); import torch; "
-            "from dataloader_exporter.instrument import zerocode; "
-            "print(torch.utils.data.DataLoader.__iter__ is zerocode._hooked_iter)")
+            "from dataloader_exporter.instrument import zerocode_hooks; "
+            "print(torch.utils.data.DataLoader.__iter__ is zerocode_hooks._hooked_iter)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
@@ -185,14 +194,14 @@ def test_zero_workers_are_known_to_be_zero(registry: CollectorRegistry) -> None:
 
 def test_names_come_from_the_framework_method_on_the_stack() -> None:
     def train_dataloader() -> str | None:
-        return zerocode.role_from_stack()
+        return zerocode_hooks.role_from_stack()
 
     def get_eval_dataloader() -> str | None:
-        return zerocode.role_from_stack()
+        return zerocode_hooks.role_from_stack()
 
     assert train_dataloader() == "train"
     assert get_eval_dataloader() == "eval"
-    assert zerocode.role_from_stack() is None
+    assert zerocode_hooks.role_from_stack() is None
 
 
 def test_run_prints_the_environment_for_an_image_and_needs_a_command(tmp_path: Path) -> None:
@@ -229,7 +238,7 @@ SIDE_BY_SIDE = """
 import gc, json, os, time
 import torch
 from torch.utils.data import DataLoader
-from torch_helpers import FailingDataset, SleepDataset
+from support.torch_helpers import FailingDataset, SleepDataset
 
 def fds():
     return len(os.listdir('/proc/self/fd'))
@@ -259,6 +268,7 @@ print(json.dumps({"seen": seen, "types": types, "error": error, "fds_back": fds(
 """
 
 
+@pytest.mark.slow
 def test_zero_code_mode_gives_a_program_what_torch_alone_gives_it(tmp_path: Path) -> None:
     """The same program with the environment switch off and on: the same batches, order,
     types and exception, and no descriptor left behind by its loaders."""
@@ -299,6 +309,7 @@ def odd_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Run]:
     return runs
 
 
+@pytest.mark.slow  # `odd_ranks`: shared training runs
 def test_names_are_the_same_on_every_rank_whatever_was_built_before(
         odd_ranks: dict[int, Run]) -> None:
     train = built_at("odd_loaders.py", "return DataLoader(data(n)", "train = make(16)")
@@ -309,6 +320,7 @@ def test_names_are_the_same_on_every_rank_whatever_was_built_before(
     assert odd_ranks[1].value(1, cat.BATCHES.name, loader=probe) is None
 
 
+@pytest.mark.slow  # `odd_ranks`: shared training runs
 def test_subclasses_of_every_shape_are_counted_once_and_run_as_without_us(
         odd_ranks: dict[int, Run]) -> None:
     run, truth = odd_ranks[1], odd_ranks[1].truth[1]

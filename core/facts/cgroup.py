@@ -75,8 +75,8 @@ def read_value(path: Path) -> int | None:
     return None if text == "max" else int(text)
 
 
-def memory_room(host_total: int, host_available: int, proc_root: str = PROC,
-                cgroup_root: str = CGROUP) -> int:
+def cgroup_memory_available(host_total: int, host_available: int, proc_root: str = PROC,
+                            cgroup_root: str = CGROUP) -> int:
     """Memory this process's container may still allocate: its memory cgroup's limit
     minus its usage where it has a limit below the host's memory, else the host's
     available memory (the smaller of the two)."""
@@ -90,6 +90,17 @@ def memory_room(host_total: int, host_available: int, proc_root: str = PROC,
         if limit is not None and usage is not None and limits(limit, host_total):
             room = min(room, max(0, limit - usage))
     return room
+
+
+def cgroup_memory_limit(host_total: int, proc_root: str = PROC,
+                        cgroup_root: str = CGROUP) -> int | None:
+    """This process's memory cgroup's limit where it limits anything (see limits()), else
+    None. Raises OSError or ValueError when the limit file cannot be read or parsed."""
+    files = memory_files(Path(proc_root), Path(cgroup_root))
+    if files is None:
+        return None
+    limit = read_value(files[0])
+    return limit if limit is not None and limits(limit, host_total) else None
 
 
 def _count(path: Path, key: str) -> int | None:

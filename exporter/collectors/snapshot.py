@@ -5,7 +5,7 @@ symbolic link to a secret, a file cut short by a copy, another program's metrics
 50 MB file. So a file is read only if it is a regular file (opened without blocking and
 without following a symbolic link, then checked on the open descriptor), only up to a
 size bound, and is accepted only if it is exactly what instrument's snapshot writer
-(prometheus_client's text encoder over instrument/recorder.py's LoaderCollector)
+(prometheus_client's text encoder over instrument/loader_collector.py's LoaderCollector)
 writes:
 
 - every trainer family of the catalogue, once, with the catalogue's type, and no other
@@ -42,6 +42,7 @@ from dataloader_exporter.exporter.exposition import float_text
 
 from .textparse import Labels, ParsedFamily, parse
 
+SUFFIX = ".prom"  # a snapshot file's name ends with it (write_to_textfile's temporaries do not)
 NOT_REGULAR = "not_regular"  # a FIFO, device, socket, directory or symbolic link
 UNREADABLE = "unreadable"  # open() or read() failed: permissions, I/O error
 TOO_LARGE = "too_large"  # over max_file_bytes
@@ -58,8 +59,8 @@ _OPEN_FLAGS = (os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY
                | getattr(os, "O_CLOEXEC", 0))
 _CHUNK = 1 << 20
 _TRAINER: dict[str, cat.Metric] = {m.name: m for m in cat.ALL if m.source == cat.TRAINER}
-# What instrument/recorder.py writes for every (loader, rank) it knows.
-# (Not samples: a count that cannot be known is left out, instrument/batch.py.)
+# What instrument/loader_collector.py writes for every (loader, rank) it knows.
+# (Not samples: a count that cannot be known is left out, instrument/hotpath_batch.py.)
 _ALWAYS = frozenset(m.name for m in (cat.TIME, cat.STEP, cat.FIRST_BATCH, cat.BATCHES,
                                      cat.EPOCHS, cat.TRANSFER_BYTES, cat.WORKERS_LOST))
 _PHASES = frozenset((cat.PHASE_FETCH, cat.PHASE_TRANSFER))
@@ -182,7 +183,7 @@ class _Shape:
     names: tuple[str, ...]  # label names, sorted as parsed labels are
     loader: int  # where loader and rank are among them
     rank: int
-    bounds: tuple[str, ...] = ()  # le values, as instrument/recorder.py writes them
+    bounds: tuple[str, ...] = ()  # le values, as instrument/hotpath_recorder.py writes them
 
     @staticmethod
     def of(metric: cat.Metric) -> _Shape:

@@ -1,9 +1,9 @@
 """A fast, strict parser for the text format that trainers' snapshot files use.
 
-prometheus_client's parser is general and slow (about 15 us a line, so 8 ranks x 4
-loaders took ~50 ms a scrape: bench/scrape.py) and lax. Snapshot files are written by
-prometheus_client's text encoder over instrument's collector, so this parser accepts
-exactly that shape and nothing more: per family a ``# HELP`` line, a ``# TYPE`` line and
+prometheus_client's parser is general, lax and too slow to run over every rank's file
+each scrape (docs/design/exporter.md). Snapshot files are written by prometheus_client's
+text encoder over instrument's collector, so this parser accepts exactly that shape and
+nothing more: per family a ``# HELP`` line, a ``# TYPE`` line and
 its samples, each ``name{label="value",...} number`` with no timestamp, label values
 escaped as the encoder escapes them (and free of other control characters), and a
 newline after every line. One C regex pass reads the whole file; a line it cannot match

@@ -1,65 +1,29 @@
-"""The trainer collector: merges the snapshot files trainers write into one scrape.
+"""The trainer collector: the snapshot files trainers write, merged into one scrape.
 
 Each trainer process rewrites ``<dir>/<host>-<pid>-<token>.prom`` about every second,
-atomically (prometheus_client's write_to_textfile: write ``<name>.prom.<pid>.<thread>``,
-then rename). At each scrape this collector lists the directory and, for each
-``*.prom`` entry:
+atomically. Each scrape lists the directory once and hands the listing to a
+SnapshotRetention (exporter.snapshot_retention), which deletes old files. Of the rest:
 
-- a symbolic link, FIFO, socket, device or directory is never opened: it is skipped
-  and counted as ``not_regular``. Symbolic links are not followed at all, even to a file
-  inside the directory: the snapshot writer never makes one, and following one would let
-  anyone who can write to the directory make the sidecar read any file it can read.
-- a regular file not rewritten for ``stale_after`` seconds (its writer is gone or hung)
-  is dropped without being read; one not rewritten for ``remove_after`` seconds is
-  deleted, with the writer's temporary files left behind that long by a writer killed
-  mid-write. This collector (the sidecar) is what deletes them: each trainer restart
-  leaves a file under a new name, and a directory that only grows makes every scrape
-  slower. A running trainer loses nothing: it rewrites its file every second, and
-  should a trainer hung for ``remove_after`` resume, its next write makes the file anew.
-  By default that is 10 x stale_after and at least 10 minutes (``remove_after=math.inf``
-  never deletes: for a directory that something else cleans). The last snapshot of a
-  run that ended badly (no dataloader_exit_timestamp_seconds: killed or crashed hard;
-  a lost worker; a failure) is kept for ``keep_failed_for`` instead (7 days), the newest
-  KEEP_FAILED_FILES of them: it is the evidence, and a crash is looked at later.
-  node_exporter's textfile collector, which never deletes, may read the same directory.
-  Deletion failures (a read-only directory) are logged once and never fail the scrape;
-  such files count as stale.
-- any other file is read and validated (snapshot.py) unless it is unchanged since the
-  last scrape (same inode, mtime and size): then its earlier verdict is reused, parsed
-  samples or rejection alike, so several scrapers within one write period parse a file
-  once and a bad file is neither read, counted nor logged again. A rejected file is
-  skipped whole, counted in ``snapshot_errors_total{reason}`` and in the collector's
-  error count and logged (by name and reason) once per file and reason: a bad file
-  rewritten every second counts once while it stays bad for the same reason.
-- a file whose content is rejected is read again at once, and the rejection stands only
-  if the second read finds the same bytes; a whole second read is served, and for one
-  that differs and is not whole either the file's last whole version is served (none if
-  it never was whole), uncounted, and it is read again at the next scrape. An empty file
-  is served as its last whole version too, and counts (as invalid) only once it has
-  stayed empty for EMPTY_GRACE. Both are for writers that rewrite their file in place
-  (truncate, then write) instead of renaming: a read between the two finds it empty, one
-  during the write finds part of it, and neither may cost an error or a log line (a file
-  rewritten in place 100 times a second counted 209 errors and wrote 422 log lines in
-  15 s).
-- a rejection is remembered as a Rejected made anew (reason and detail, never raised)
-  with the file's version (inode, mtime, size): never the exception caught, whose
-  traceback holds the validator's frames and so the parsed file (20 rejected files of
-  1.9 MB took the sidecar from 26 to 620 MiB), nor the bytes. The files rejected, or
-  valid again, in one scrape are logged one line each up to LOG_EACH of them, else in
-  one line with their number by reason and a few names (10,000 junk files wrote 10,002
-  lines).
+- only regular files are read: a symbolic link (even to a file inside the directory),
+  FIFO, socket, device or directory is never opened, and counts as ``not_regular``;
+- a file not rewritten for ``stale_after`` seconds is dropped unread (counted as stale);
+- each version of a file (inode, mtime, size) is read and validated (collectors.snapshot)
+  once: taken whole, or rejected whole, counted in ``snapshot_errors_total{reason}`` and
+  logged once per file and reason (more than LOG_EACH files in one scrape share a line);
+- a file caught mid-rewrite by a writer that rewrites it in place is served as its last
+  whole version, uncounted, and read again at the next scrape: one found empty for less
+  than EMPTY_GRACE, or one rejected by two reads that found different bytes;
+- a rejection is remembered by reason and detail only, never the exception caught (whose
+  traceback holds the parsed file) nor the bytes.
 
-When a trainer restarts, its new file and the old one both hold series for the same
-(loader, rank) until the old one goes stale; the newest file wins, so nothing is
-counted twice. A rejected file never affects another file's series (nor claims its
-loader and rank from an older file).
+Per (loader, rank) the newest file wins, so a restarted trainer's old and new files are
+not counted twice, and a rejected file never affects another file's series.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import stat
 import threading
 import time
@@ -72,38 +36,24 @@ from prometheus_client.metrics_core import Metric as Family
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core.logonce import LogOnce
 from dataloader_exporter.exporter.exposition import EncodedFamily
+from dataloader_exporter.exporter.snapshot_retention import (
+    KEEP_FAILED_FOR,
+    SnapshotRetention,
+    default_remove_after,
+)
 
 from . import snapshot
 from .base import family
-from .snapshot import Owner, Rejected, Snapshot, Stamp
+from .snapshot import SUFFIX, Owner, Rejected, Snapshot, Stamp
 
 log = logging.getLogger("dataloader_exporter.exporter")
 
-SUFFIX = ".prom"
 DEFAULT_STALE_AFTER = 30.0
-# Measured on real snapshots from the real writer: 8 loaders of 16 workers each make
-# 98,157 bytes and 1,144 series (one loader of 2 workers: 10,568 bytes, 101 series). The
-# bounds are 21 and 17 times that; a real file of 19,000 series (200 loaders, 1.55 MB)
-# takes about 55 ms to parse and validate, once per version.
+# About 20 times a real snapshot of 8 loaders of 16 workers (98 kB, 1,144 series); a file
+# near the bounds takes about 55 ms to parse and validate, once per version.
 DEFAULT_MAX_FILE_BYTES = 2 * 1024 * 1024
 DEFAULT_MAX_SERIES = 20_000
-# Files are deleted once not rewritten for 10 times stale_after, and never sooner than
-# 10 minutes (see the module's docstring).
-REMOVE_AFTER_STALE_FACTOR = 10.0
-REMOVE_AFTER_MIN = 600.0
-# The last snapshot of a run that ended badly (no normal exit, a lost worker, a failure)
-# is kept this long instead (7 days: a crash on a Friday night is looked at on Monday),
-# the newest KEEP_FAILED_FILES of them (a crash loop must not fill the volume).
-KEEP_FAILED_FOR = 7 * 86400.0
-KEEP_FAILED_FILES = 16
-_TEMPORARY = re.compile(r"\.prom\.[0-9]+\.[0-9]+\Z")  # write_to_textfile's, mid-write
 _TRAINER = tuple(m for m in cat.ALL if m.source == cat.TRAINER)
-
-
-def default_remove_after(stale_after: float) -> float:
-    """When a file not rewritten is deleted, by default, for a given stale_after."""
-    return max(REMOVE_AFTER_STALE_FACTOR * stale_after, REMOVE_AFTER_MIN)
-
 
 # Up to this many files rejected (or valid again) in one scrape are logged one line
 # each; more share one line.
@@ -139,10 +89,9 @@ class TrainerCollector:
                  remove_after: float | None = None,
                  read: Callable[[str, int], tuple[bytes, Stamp]] = snapshot.read,
                  keep_failed_for: float = KEEP_FAILED_FOR) -> None:
-        """remove_after None: default_remove_after(stale_after); math.inf: never delete.
-        read: snapshot.read, or a fake that tears reads for tests. keep_failed_for: how
-        long the last snapshot of a run that ended badly is kept (never less than
-        remove_after)."""
+        """remove_after and keep_failed_for: the SnapshotRetention's (None:
+        default_remove_after(stale_after); math.inf: never delete). read: snapshot.read, or
+        a fake that tears reads for tests."""
         if remove_after is None:
             remove_after = default_remove_after(stale_after)
         if remove_after < stale_after:
@@ -152,14 +101,9 @@ class TrainerCollector:
         self.clock = clock
         self.max_file_bytes = max_file_bytes
         self.max_series = max_series
-        self.remove_after = remove_after
-        self.keep_failed_for = max(keep_failed_for, remove_after)
         self.read = read
-        # Files past remove_after whose run ended badly: path -> (version, mtime).
-        self._failed: dict[str, tuple[Stamp, float]] = {}
-        # Files past remove_after read and found to have ended well, whose deletion
-        # failed (a read-only directory): path -> version, not read again.
-        self._ended_well: dict[str, Stamp] = {}
+        self.retention = SnapshotRetention(directory, remove_after, read, max_file_bytes,
+                                           max_series, keep_failed_for)
         self.up = True
         self.errors = 0
         self.rejected = dict.fromkeys(snapshot.REASONS, 0)  # files skipped, once per reason
@@ -174,6 +118,19 @@ class TrainerCollector:
         self._news: list[tuple[str, str, str]] = []  # this scrape's: (name, reason, detail)
         self._valid_again: list[str] = []  # this scrape's names
 
+    @property
+    def remove_after(self) -> float:
+        return self.retention.remove_after
+
+    @property
+    def keep_failed_for(self) -> float:
+        return self.retention.keep_failed_for
+
+    @property
+    def _failed(self) -> dict[str, tuple[Stamp, float]]:
+        """The last snapshots of runs that ended badly, kept past remove_after."""
+        return self.retention.failed
+
     def collect(self) -> Iterator[Family]:
         with self._lock:
             families = self._collect()
@@ -184,7 +141,8 @@ class TrainerCollector:
         entries = self._list()
         if entries is None:  # unreadable for now: keep what is known of the files
             return [self._errors()]
-        fresh, stale = self._classify(entries, now)
+        removed = self.retention.sweep(entries, now)
+        fresh, stale = self._classify([e for e in entries if e.path not in removed], now)
         merged: dict[str, list[str]] = {m.name: [] for m in _TRAINER}
         claimed: set[Owner] = set()  # (loader, rank) pairs of newer files
         newest = None
@@ -230,27 +188,20 @@ class TrainerCollector:
     def _classify(self, entries: list[os.DirEntry[str]], now: float
                   ) -> tuple[list[tuple[float, str, str, Stamp]], int]:
         """Fresh regular files to read and the number of stale ones; rejects entries that
-        are not regular files, deletes old files, forgets verdicts on files gone."""
+        are not regular files, forgets verdicts on files gone."""
         verdicts, self._verdicts = self._verdicts, {}
         fresh, stale = [], 0
         present = {entry.path for entry in entries}
         self._last_whole = {p: v for p, v in self._last_whole.items() if p in present}
-        self._failed = {p: v for p, v in self._failed.items() if p in present}
-        self._ended_well = {p: v for p, v in self._ended_well.items() if p in present}
         for entry in entries:
             name = entry.name
             if not name.endswith(SUFFIX):
-                if _TEMPORARY.search(name):
-                    self._remove_if_old(entry, now)
                 continue
             try:
                 st = entry.stat(follow_symlinks=False)
             except OSError:  # vanished since the listing: not an error
                 continue
             stamp, regular = snapshot.stamp_of(st), stat.S_ISREG(st.st_mode)
-            if regular and now - st.st_mtime > self.remove_after and self._expired(
-                    entry.path, stamp, st.st_mtime, now) and self._remove(entry.path):
-                continue
             if regular and now - st.st_mtime > self.stale_after:
                 stale += 1
                 continue
@@ -266,7 +217,7 @@ class TrainerCollector:
 
     def _verdict(self, name: str, path: str, stamp: Stamp) -> Snapshot | Rejected | None:
         """The verdict on a fresh file, read and validated unless unchanged; None if gone,
-        or caught mid-write (read again at the next scrape: the module's docstring)."""
+        or caught mid-write (read again at the next scrape)."""
         known = self._verdicts.get(path)
         if known is not None and known[0] == stamp:
             verdict = known[1]
@@ -357,69 +308,6 @@ class TrainerCollector:
         else:
             for name in good:
                 log.info("snapshot %a is valid again", name)
-
-    def _expired(self, path: str, stamp: Stamp, mtime: float, now: float) -> bool:
-        """Whether a file past remove_after goes now: unless it is the last snapshot of a
-        run that ended badly (read once to tell), among the newest KEEP_FAILED_FILES
-        such, and younger than keep_failed_for."""
-        if self._ended_well.get(path) == stamp:  # read before, its deletion failed
-            return True
-        known = self._failed.get(path)
-        if known is None or known[0] != stamp:
-            if not self._ended_badly(path):
-                self._ended_well[path] = stamp
-                return True
-            self._failed[path] = (stamp, mtime)
-            newest = sorted(self._failed, key=lambda p: self._failed[p][1], reverse=True)
-            for old in newest[KEEP_FAILED_FILES:]:
-                del self._failed[old]  # forgotten: deleted below, or at the next scrape
-            if path not in self._failed:
-                return True
-        if now - mtime > self.keep_failed_for:
-            self._failed.pop(path, None)
-            return True
-        return False
-
-    def _ended_badly(self, path: str) -> bool:
-        """Whether a snapshot file is the last of a run that did not end well: a loader
-        without dataloader_exit_timestamp_seconds (the process never exited normally),
-        with a lost worker or a failure. A file that cannot be read or is not valid did
-        not: it goes as before."""
-        try:
-            data, _ = self.read(path, self.max_file_bytes)
-            snap = snapshot.load(data, self.max_series)
-        except (OSError, Rejected):
-            return False
-        for by_family in snap.owners.values():
-            if cat.EXITED.name not in by_family:
-                return True
-            for name in (cat.WORKERS_LOST.name, cat.FAILURES.name):
-                for line in by_family.get(name, "").splitlines():
-                    if float(line.rsplit(" ", 1)[1]) > 0:
-                        return True
-        return False
-
-    def _remove_if_old(self, entry: os.DirEntry[str], now: float) -> None:
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except OSError:
-            return
-        if stat.S_ISREG(st.st_mode) and now - st.st_mtime > self.remove_after:
-            self._remove(entry.path)
-
-    def _remove(self, path: str) -> bool:
-        """Deletes an old file; False (logged once) if it is still there."""
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            self._log.problem("remove", "cannot delete old snapshots in %s (%s); they are "
-                              "skipped, but the directory keeps growing", self.directory,
-                              e.strerror or type(e).__name__)
-            return False
-        self._log.cleared("remove")
-        return True
 
 
 def _merge(snap: Snapshot, merged: dict[str, list[str]],

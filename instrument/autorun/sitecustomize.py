@@ -7,10 +7,10 @@ at start-up, in the command and in every Python process it starts (torchrun's ra
 Lightning's DDP processes, `accelerate launch`), since they inherit the environment.
 
 Start-up costs only stdlib imports: a settings line is checked at once (a bad one is an
-error before anything runs), and the DataLoader hook (instrument/zerocode.py) is installed
-right after `torch` has been imported, never in a process that does not import torch.
-Then the next sitecustomize on the path (a distribution's or your own) runs, as it would
-without this one.
+error before anything runs), and the DataLoader hook (instrument/zerocode_hooks.py) is
+installed right after `torch` has been imported, never in a process that does not import
+torch. Then the next sitecustomize on the path (a distribution's or your own) runs, as it
+would without this one.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def _check_settings() -> None:
 
 def _torch_ready() -> None:
     try:
-        from dataloader_exporter.instrument import zerocode
+        from dataloader_exporter.instrument import zerocode_hooks
 
-        zerocode.install(auto=True)
+        zerocode_hooks.install(auto=True)
     except Exception as e:  # the program runs as without us
         _say(f"zero-code mode is off in this process: {e!r}")
 

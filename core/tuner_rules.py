@@ -1,0 +1,279 @@
+"""The loader tuner's decisions: from one epoch's measured figures to the next epoch's
+num_workers and prefetch_factor, or to no change. Pure: the instrumentation feeds it what
+it measured at each epoch's iter() and applies what it decides between iterators.
+
+Rules, from measured figures only (a figure that is unknown blocks the move it would
+justify, never guesses it):
+- more workers only while the loop waits for input (stall share at or over
+  bands.MODERATE), the workers run most of their time (they are the bottleneck, not a
+  queue or storage alone), no worker waits for a CPU (under bands.CPU_CONTENTION), and
+  the budget has room: the cores this rank may use, the memory one more worker takes
+  against the room left, the batches in flight against /dev/shm;
+- fewer workers when there are more than the rank's cores or they wait for a CPU, or when
+  memory would not hold them; never none, for a loader that has workers;
+- a deeper queue (prefetch_factor) when the loop waits although the workers are not busy
+  and the wait comes in bursts (its 95th percentile far above its median);
+- every change but a cut for memory is a trial: after more workers or a deeper queue the
+  next epoch's samples/s must beat the best setting's by MIN_GAIN, after fewer workers it
+  may not fall more than MIN_GAIN below it; else the tuner goes back to the best and stops
+  moving that way. So a job is never slower than its own settings for longer than one
+  epoch, and workers past the rank's cores are kept only where they measured faster.
+  After MAX_TRIALS, or when no rule fires, it is stable and stays: no oscillation (where
+  the loop waits but the workers' shares are not known yet, it waits UNSEEN_EPOCHS
+  epochs for them first).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from dataloader_exporter.core import bands
+
+MIN_GAIN = 0.05  # a trial must beat the best setting's samples/s by this share to stay
+MAX_TRIALS = 8  # then the tuner is stable, whatever the figures say
+MAX_PREFETCH = 8  # batches per worker: deeper queues only hold memory
+BURSTY = 4.0  # fetch wait p95 over its median at which the wait comes in bursts
+BUSY = 0.5  # workers running at least this share of their time are the bottleneck
+UNSEEN_EPOCHS = 2  # epochs to wait for unknown worker shares before settling
+
+
+# Why a setting changed: the loop waited on busy workers; they waited for a CPU; more
+# workers than this rank's cores; memory would not hold them; the wait came in bursts;
+# a trial did not help.
+REASONS = ("starved", "cpu-contention", "cores", "memory", "bursty", "reverted")
+# The reasons each setting can change for.
+REASONS_OF = {"num_workers": ("starved", "cpu-contention", "cores", "memory", "reverted"),
+              "prefetch_factor": ("bursty", "reverted")}
+
+
+@dataclass(frozen=True)
+class Setting:
+    workers: int
+    prefetch: int  # torch's prefetch_factor; ignored (2) without workers
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What this rank may use: cores for its workers (the advisor's share per local
+    rank), and the room left in memory and /dev/shm (None: unknown)."""
+
+    cores: int
+    memory_room: int | None = None
+    shm_room: int | None = None
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """What one epoch under `setting` measured; None where it was not measured."""
+
+    setting: Setting
+    samples_per_s: float
+    stall: float  # share of the loop's time waiting for input
+    running: float | None = None  # shares of the workers' wall time
+    waiting_cpu: float | None = None
+    blocked: float | None = None
+    # Memory one worker takes (PSS, else RSS); with no workers yet, the main process's
+    # resident memory, which bounds what a forked worker can take.
+    worker_bytes: int | None = None
+    batch_bytes: int | None = None
+    burstiness: float | None = None  # fetch wait p95 / median
+    unit: str = "samples"  # what samples_per_s counts: "batches" where samples cannot be
+
+
+@dataclass(frozen=True)
+class Decision:
+    setting: Setting
+    name: str  # "num_workers" or "prefetch_factor"
+    old: int
+    new: int
+    reason: str  # one of REASONS
+    why: str  # the figures, for the log line
+
+    def line(self, loader: str) -> str:
+        """The log line: `dataloader 'train': num_workers 2 -> 4: <why>`."""
+        return f"dataloader {loader!r}: {self.name} {self.old} -> {self.new}: {self.why}"
+
+
+@dataclass
+class Tuner:
+    """One loader's tuner. `workers`/`prefetch`: which settings it may change (an
+    IterableDataset's worker count decides its sharding: never `workers` there)."""
+
+    start: Setting
+    workers: bool = True
+    prefetch: bool = True
+    best: Setting | None = None
+    best_rate: float = 0.0
+    trials: int = 0
+    stable: bool = False
+    current: Setting = field(init=False)
+    budget: Budget = field(init=False)
+    _exhausted: set[str] = field(default_factory=set)  # directions that did not help
+    _trying: str | None = None  # the direction of the trial now running
+    _unseen: int = 0  # epochs waited for the workers' shares
+    _unit: str = "samples"  # what the rates count
+
+    def __post_init__(self) -> None:
+        self.current = self.start
+        self.budget = Budget(cores=max(1, self.start.workers))
+
+    def observe(self, epoch: Epoch, budget: Budget) -> Decision | None:
+        """The change for the next epoch, or None to keep the current setting. `budget`:
+        what the rank may use, read now (the room left with the current workers)."""
+        if self.stable or epoch.setting != self.current:
+            return None
+        if epoch.unit != self._unit:  # samples could no longer be counted: rates restart
+            self._unit, self.best_rate, self._trying = epoch.unit, 0.0, None
+        self.budget = budget
+        if self._trying is not None:
+            trying, self._trying = self._trying, None
+            # More must beat the best by MIN_GAIN; fewer may not lose more than MIN_GAIN
+            # (the same speed with fewer workers or a shorter queue is a gain in itself).
+            floor = 1 + MIN_GAIN if trying.endswith("+") else 1 - MIN_GAIN
+            if epoch.samples_per_s < self.best_rate * floor:
+                self._exhausted.add(trying)
+                return self._revert(epoch, trying)
+            # A cut kept is the best setting now, judged still against the faster rate:
+            # cuts do not compound below the best measured.
+            self.best = self.current
+            self.best_rate = max(self.best_rate, epoch.samples_per_s)
+        if epoch.samples_per_s >= self.best_rate:
+            self.best, self.best_rate = self.current, epoch.samples_per_s
+        if self.trials >= MAX_TRIALS:
+            self.stable = True
+            return None
+        decision = self._shrink(epoch) or self._grow(epoch) or self._deepen(epoch)
+        if decision is None:
+            if self._blind(epoch) and self._unseen < UNSEEN_EPOCHS:
+                self._unseen += 1  # the loop waits, but on what is not known yet
+                return None
+            self.stable = True
+            return None
+        self.trials += 1
+        if decision.reason == "memory":
+            # Memory would not hold them: not a trial, nothing to go back to past it.
+            self.best, self.best_rate = decision.setting, 0.0
+        if decision.reason in ("starved", "bursty"):
+            self._trying = decision.name + "+"
+        elif decision.reason in ("cpu-contention", "cores"):
+            self._trying = decision.name + "-"
+        self.current = decision.setting
+        return decision
+
+    def cannot_run(self, previous: Setting) -> None:
+        """The change just made could not run (the first worker pool failed to start, or
+        failed its first batch): back to `previous`, and no more workers, ever."""
+        self.current = previous
+        self._trying = None
+        self._exhausted.add("num_workers+")
+        self.stable = True
+
+    def _blind(self, epoch: Epoch) -> bool:
+        """The loop waited, but the workers' shares that would say why are unknown (a
+        pool's first seconds are not sampled yet)."""
+        return (self.workers and epoch.setting.workers > 0 and epoch.stall >= bands.MODERATE
+                and (epoch.running is None or epoch.waiting_cpu is None))
+
+    def _revert(self, epoch: Epoch, trying: str) -> Decision:
+        assert self.best is not None
+        name = "num_workers" if trying.startswith("num_workers") else "prefetch_factor"
+        old = epoch.setting.workers if name == "num_workers" else epoch.setting.prefetch
+        new = self.best.workers if name == "num_workers" else self.best.prefetch
+        self.current = self.best
+        rate, best = f"{epoch.samples_per_s:.0f} {epoch.unit}/s", f"{self.best_rate:.0f}"
+        why = (f"{rate} did not beat {best} by {MIN_GAIN:.0%}" if trying.endswith("+") else
+               f"{rate} fell more than {MIN_GAIN:.0%} below {best}")
+        return Decision(self.best, name, old, new, "reverted", f"{why}: back to {new}")
+
+    def _room_for(self, epoch: Epoch, workers: int, prefetch: int) -> str | None:
+        """Why `workers` x `prefetch` would not fit the budget; None when it fits or the
+        figure to judge it is unknown and the setting is no larger than now."""
+        now = epoch.setting
+        more = workers - now.workers
+        if workers > self.budget.cores:
+            return "cores"
+        if more > 0:
+            if epoch.worker_bytes is None or self.budget.memory_room is None:
+                return "memory unknown"
+            if more * epoch.worker_bytes > self.budget.memory_room:
+                return "memory"
+        in_flight_now = now.workers * now.prefetch
+        in_flight = workers * prefetch
+        if in_flight > in_flight_now and workers > 0:
+            if epoch.batch_bytes is None or self.budget.shm_room is None:
+                return "shm unknown"
+            extra = (in_flight - in_flight_now) * epoch.batch_bytes * bands.SHM_SAFETY
+            if extra > self.budget.shm_room:
+                return "shm"
+        return None
+
+    def _grow(self, epoch: Epoch) -> Decision | None:
+        if not self.workers or "num_workers+" in self._exhausted:
+            return None
+        n = epoch.setting.workers
+        if epoch.stall < bands.MODERATE:
+            return None
+        if n > 0 and (epoch.running is None or epoch.waiting_cpu is None
+                      or epoch.running < BUSY or epoch.waiting_cpu >= bands.CPU_CONTENTION):
+            return None
+        want = min(self.budget.cores, max(n + 1, 2 * n))
+        while want > n and self._room_for(epoch, want, epoch.setting.prefetch) is not None:
+            want -= 1
+        if want <= n:
+            return None
+        free = self.budget.cores - n
+        ran = "" if epoch.running is None else f"workers ran {epoch.running:.0%} of the time, "
+        why = (f"{ran}loop waited {epoch.stall:.0%}, {free} of {self.budget.cores} cores free")
+        return Decision(replace(epoch.setting, workers=want), "num_workers", n, want,
+                        "starved", why)
+
+    def _shrink(self, epoch: Epoch) -> Decision | None:
+        n = epoch.setting.workers
+        if not self.workers or n == 0:
+            return None
+        if n > self.budget.cores and "num_workers-" not in self._exhausted:
+            return Decision(replace(epoch.setting, workers=self.budget.cores), "num_workers",
+                            n, self.budget.cores, "cores",
+                            f"{n} workers for {self.budget.cores} cores")
+        if (epoch.waiting_cpu is not None and epoch.waiting_cpu >= bands.CPU_CONTENTION
+                and "num_workers-" not in self._exhausted):
+            want = max(1, min(self.budget.cores, math.ceil(n * (1 - epoch.waiting_cpu))))
+            if want < n:
+                return Decision(replace(epoch.setting, workers=want), "num_workers", n, want,
+                                "cpu-contention",
+                                f"workers waited for a CPU {epoch.waiting_cpu:.0%} of the "
+                                f"time ({n} workers, {self.budget.cores} cores)")
+        if (epoch.worker_bytes is not None and self.budget.memory_room is not None
+                and self.budget.memory_room < 0):
+            want = max(1, n - math.ceil(-self.budget.memory_room / max(1, epoch.worker_bytes)))
+            if want < n:
+                return Decision(replace(epoch.setting, workers=want), "num_workers", n, want,
+                                "memory", f"memory is {-self.budget.memory_room} bytes short")
+        return None
+
+    def _deepen(self, epoch: Epoch) -> Decision | None:
+        s = epoch.setting
+        if (not self.prefetch or s.workers == 0 or "prefetch_factor+" in self._exhausted
+                or epoch.stall < bands.MODERATE or epoch.burstiness is None
+                or epoch.burstiness < BURSTY or epoch.running is None
+                or epoch.running >= BUSY or s.prefetch >= MAX_PREFETCH):
+            return None
+        want = min(MAX_PREFETCH, 2 * s.prefetch)
+        if self._room_for(epoch, s.workers, want) is not None:
+            return None
+        return Decision(replace(s, prefetch=want), "prefetch_factor", s.prefetch, want,
+                        "bursty", f"the loop waited {epoch.stall:.0%} in bursts (p95 "
+                        f"{epoch.burstiness:.1f}x the median) while workers ran "
+                        f"{epoch.running:.0%} of the time")
+
+    def settings_line(self, loader: str) -> str | None:
+        """Once stable, the DATALOADER_EXPORTER_SETTINGS items that make it permanent."""
+        if not self.stable:
+            return None
+        items = []
+        if self.workers:
+            items.append(f"{loader}.num_workers={self.current.workers}")
+        if self.prefetch and self.current.workers:
+            items.append(f"{loader}.prefetch_factor={self.current.prefetch}")
+        return ",".join(items) or None

@@ -1,0 +1,227 @@
+"""Why a worker failed, as observed; never a cause that was not seen.
+
+A worker that dies leaves an exit status (read without reaping it, or from torch's own
+Process object once torch reaped it) and sometimes torch's words in the exception the
+loop gets; a worker that fails without dying leaves only the exception. The causes
+(core.catalogue.FAILURE_CAUSES):
+
+- oom: killed by SIGKILL after the kernel's OOM-kill count of our memory cgroup rose
+  since the worker was last seen alive (core.facts.cgroup); a rise is claimed once in
+  the process; never claimed without that count, and a count not read lately gives no
+  cause at all rather than a guess either way;
+- killed: killed by SIGKILL while that count did not rise, or by another signal that
+  ends a process;
+- crash: a crash signal (SIGSEGV, SIGABRT, ...), a non-zero exit, or an exit torch calls
+  unexpected;
+- shm: /dev/shm was full: torch could not allocate or write a batch's shared memory (its
+  own words, in a worker), or the worker died of SIGBUS while /dev/shm was small or half
+  full;
+- error: the dataset or collate_fn raised: torch's "Caught X in DataLoader worker
+  process N", or any exception with no workers. torch's own errors (a timeout, its
+  internals after a worker vanished) are not the dataset's: no cause.
+
+Each cause gets one log line per loader with what to change (fix()).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dataloader_exporter.core.bands import SHM_SAFETY, shm_size_advice
+from dataloader_exporter.core.facts.cgroup import OomKills
+from dataloader_exporter.core.facts.shm import ShmSpace
+
+from .preflight import LoaderConfig, shm_needed
+from .rank import human_bytes
+
+OOM, KILLED, CRASH, SHM, ERROR = "oom", "killed", "crash", "shm", "error"
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGILL, signal.SIGFPE,
+                  signal.SIGTRAP, signal.SIGSYS}
+_DEATH = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]{1,200})\) "
+                    r"(?:is killed by signal: ([A-Za-z ]{1,40})|exited unexpectedly)")
+_SIGNAL_NAMES = {signal.strsignal(s): s for s in signal.Signals
+                 if signal.strsignal(s) is not None}
+# torch's words for a batch that did not fit in /dev/shm: an allocation or a write of its
+# shared-memory file (torch_shm_manager's files are named /torch_...).
+_SHM_WORDS = ("unable to allocate shared memory(shm) for file </torch_",
+              "unable to write to file </torch_")
+_CAUGHT = "in DataLoader worker process"  # torch's wrapper of a worker's exception
+SHM_SMALL = 1 << 30  # a /dev/shm under 1 GiB (a container's) is small enough to fill
+
+
+Exit = tuple[int | None, int | None]  # (the signal that ended it, or its exit code)
+
+
+def exit_of(pid: int) -> Exit | None:
+    """How a dead process ended, without reaping it; None when unknown or still running."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError):
+        info = None
+    else:
+        if info is None or info.si_pid == 0:
+            return None  # still running
+        if info.si_code == os.CLD_EXITED:
+            return None, info.si_status
+        return info.si_status, None
+    try:  # not our child (forkserver): a zombie still shows its exit code (Linux >= 3.5)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    if len(fields) < 50 or fields[0] != b"Z":
+        return None
+    status = int(fields[49])
+    if os.WIFSIGNALED(status):
+        return os.WTERMSIG(status), None
+    return None, os.WEXITSTATUS(status)
+
+
+def from_exitcode(code: int | None) -> Exit | None:
+    """multiprocessing's Process.exitcode (-signal, or the code) as an Exit."""
+    if code is None:
+        return None
+    return (-code, None) if code < 0 else (None, code)
+
+
+def cause_of_exit(signo: int | None, code: int | None, oom_rose: bool | None,
+                  shm_full: bool = False) -> str | None:
+    """The cause of a worker's death from its exit; None for a clean exit (0), or for a
+    SIGKILL when the OOM-kill count is not known (oom_rose None)."""
+    if signo is None:
+        return CRASH if code else None
+    if signo == signal.SIGKILL:
+        return None if oom_rose is None else OOM if oom_rose else KILLED
+    if signo == signal.SIGBUS:
+        return SHM if shm_full else CRASH  # a mapped file cut short also raises SIGBUS
+    if signo in _CRASH_SIGNALS:
+        return CRASH
+    return KILLED
+
+
+def deaths_in(exc: BaseException) -> tuple[list[int], int | None] | None:
+    """(pids, signal) torch names in a worker's death (signal None: "exited
+    unexpectedly"); None if the exception is not about a dead worker."""
+    m = _DEATH.search(str(exc)[:2000])
+    if m is None:
+        return None
+    pids = [int(p) for p in m.group(1).replace(",", " ").split()]
+    return pids, _SIGNAL_NAMES.get(m.group(2).strip()) if m.group(2) else None
+
+
+def cause_of_error(exc: BaseException, workers: int) -> str | None:
+    """The cause of an exception that reached the loop and is not a worker's death: shm
+    or error; None for torch's own (a timeout, its internals)."""
+    text = str(exc)
+    if workers and any(words in text for words in _SHM_WORDS):
+        return SHM
+    if not workers or _CAUGHT in text.split("\n", 1)[0]:
+        return ERROR
+    return None
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The exception as one short line: its type and the first line of its message (for
+    torch's wrapper, the worker's own exception after its traceback)."""
+    text = str(exc)
+    if "Original Traceback" in text:
+        lines = text.splitlines()
+        frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+        after = lines[frames[-1] + 2:] if frames else lines[-1:]
+        line = next((x.strip() for x in after if x.strip()), type(exc).__name__)
+    else:
+        first = next((x for x in text.splitlines() if x.strip()), "")
+        line = f"{type(exc).__name__}: {first.strip()}".rstrip(": ")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def is_torch_worker_error(e: BaseException) -> bool:
+    """torch's SIGCHLD handler raises a dead worker's error wherever the main thread is;
+    one that lands in our bookkeeping must go on to the loop, as it would without us."""
+    return isinstance(e, RuntimeError) and str(e).startswith("DataLoader worker")
+
+
+class OomWatch:
+    """The kernel's OOM-kill count, read by every tracker of the process (at each of its
+    readings, about once a second); each rise is claimed by at most one worker that died
+    of SIGKILL, and only by one last seen alive before the rise."""
+
+    STALE = 10.0  # seconds: a worker last seen longer ago gets no cause from the count
+
+    def __init__(self, kills: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._kills = kills if kills is not None else OomKills()
+        self._clock = clock
+        self._claimed = 0  # the count up to which rises are claimed
+        self._lock = threading.Lock()
+
+    def read(self) -> tuple[float, int] | None:
+        """(when, the count) now; None when the kernel gives no count."""
+        count = self._kills.count()
+        return None if count is None else (self._clock(), count)
+
+    def claim(self, seen: tuple[float, int] | None) -> bool | None:
+        """Whether a SIGKILL of a worker last seen alive at reading `seen` was the OOM
+        killer's: the count rose since, by a rise no other death claimed. None when it
+        cannot be told (no count, no reading, or one too old)."""
+        now = self.read()
+        if now is None or seen is None or now[0] - seen[0] > self.STALE:
+            return None
+        with self._lock:
+            claimed = max(seen[1], self._claimed)
+            if now[1] > claimed:
+                self._claimed = claimed + 1
+                return True
+            return False
+
+
+_watch: OomWatch | None = None
+_watch_lock = threading.Lock()
+
+
+def oom_watch() -> OomWatch:
+    """The process's one OomWatch (every loader's workers share its cgroup)."""
+    global _watch
+    with _watch_lock:
+        if _watch is None:
+            _watch = OomWatch()
+        return _watch
+
+
+def fix(cause: str, seen: str, cfg: LoaderConfig, batch_bytes: int, local_ranks: int,
+        shm: ShmSpace | None, rss_per_worker: int | None) -> str:
+    """What was seen and what to change, in one line (after "dataloader 'x': ")."""
+    workers = cfg.num_workers or 0
+    if cause == SHM:
+        if batch_bytes > 0 and workers:
+            need = shm_needed(batch_bytes, cfg, local_ranks)
+            what = (f"batches in flight need about {human_bytes(need)} (batch "
+                    f"{human_bytes(batch_bytes)} x prefetch_factor {cfg.prefetch_factor or 2}"
+                    f" x {workers} workers x {local_ranks} local ranks x {SHM_SAFETY})")
+            size = shm_size_advice(need)
+        else:  # no batch got through: its size is unknown; at least twice the room
+            what = "the batches in flight did not fit (their size is not known yet)"
+            size = shm_size_advice(2 * shm.size) if shm else "a larger size"
+        where = f"{shm.path} holds {human_bytes(shm.size)}" if shm else "/dev/shm"
+        return (f"a worker failed for lack of shared memory ({seen}): {where} and {what}. "
+                f"Give the container --shm-size={size} (Kubernetes: an emptyDir with medium: "
+                "Memory and a sizeLimit at /dev/shm), or lower num_workers or prefetch_factor")
+    if cause == OOM:
+        each = (f"; each worker holds about {human_bytes(rss_per_worker)} resident"
+                if rss_per_worker else "")
+        return (f"a worker was killed by the kernel's OOM killer ({seen}){each}. Use fewer "
+                f"workers (num_workers={workers} now) or a lower prefetch_factor, or raise "
+                "the container's memory limit")
+    if cause == KILLED:
+        return (f"a worker was killed ({seen}), not by the OOM killer (the kernel's OOM-kill "
+                "count did not rise): something else ended it (a scheduler, a watchdog, a "
+                "person)")
+    if cause == CRASH:
+        return (f"a worker crashed ({seen}): native code in the dataset or a library it "
+                "calls (decoding, augmentation) failed; run with num_workers=0 to see where")
+    return f"the dataset or collate_fn raised {seen}"

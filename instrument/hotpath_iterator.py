@@ -1,0 +1,148 @@
+"""The per-batch code of an instrumented loader: the iterator the training loop takes.
+
+TimedIterator times each next() of torch's iterator (or of a loader held from outside)
+with one perf_counter_ns pair and records the result as plain integers on the loader's
+recorder (hotpath_recorder.py): two deque appends and a few integer updates a batch, no
+lock, file or GPU synchronisation. Everything that happens less often (the first batch,
+the end of an epoch, an error, the tuner's readings) goes to the loader's Instruments.
+How the iterator is built, at iter(): iter_start.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from time import perf_counter_ns
+from typing import Any
+
+from .hotpath_batch import batch_nbytes, loader_len
+from .instruments import Instruments, reraise_torch_worker_error
+
+Counter = Callable[[Any], "int | None"]
+
+log = logging.getLogger("dataloader_exporter.instrument")
+
+BYTES_EVERY = 64  # batches between two samples of the batch size in bytes
+
+
+class TimedIterator:
+    """Times each next() of the iterator it holds; everything else passes through."""
+
+    __slots__ = ("__weakref__", "_count", "_done", "_gen", "_it", "_last", "_owner", "_probe",
+                 "_rec", "_resume", "_retry", "_start")
+
+    def __init__(self, it: Any, owner: Instruments, start_ns: int, gen: int = 0,
+                 count: Counter = loader_len) -> None:
+        self._it = it
+        self._count = count
+        self._owner = owner
+        self._rec = owner.rec
+        self._start = start_ns
+        self._gen = gen
+        self._last = 0
+        self._done = False
+        # The batch count at which a tuned loader's workers are sampled (0: never).
+        self._probe = owner.probe_at(it) if owner.tuning_now else 0
+        # The tuner's way back when its first worker pool fails its first batch.
+        self._retry: Callable[[Exception], tuple[Any, Counter] | None] | None = None
+        # The tuner's mid-epoch change of a loader that resumes from its state_dict().
+        self._resume: Callable[[], tuple[Any, int, Counter] | None] | None = None
+
+    def __iter__(self) -> TimedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        t0 = perf_counter_ns()
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._finish(True)
+            raise
+        except Exception as e:
+            retry, self._retry = self._retry, None
+            again = retry(e) if retry is not None and not self._last else None
+            if again is not None:  # the tuner's pool failed: the epoch without it
+                self._it, self._count = again
+                self._gen = 0
+                self._probe = 0
+                return self.__next__()
+            self._finish(False, e)  # not the end: a loop may skip a bad batch and go on
+            raise
+        t1 = perf_counter_ns()
+        rec = self._rec
+        rec.fetch.append(t1 - t0)
+        if self._last:
+            rec.step.append(t0 - self._last)
+        else:
+            self._retry = None
+            self._owner.first_batch(batch, t1 - self._start)
+        self._last = t1
+        rec.last_batch_ns = t1
+        rec.batches += 1
+        if rec.batches == self._probe:
+            self._probe = self._owner.probed(self._probe)
+            if self._resume is not None:
+                self._resumed(self._resume)
+        try:  # free in CPython 3.11 unless it raises; an odd batch must not stop training
+            n = self._count(batch)
+            if n is None:
+                rec.samples_known = False
+            else:
+                rec.samples += n
+            if not rec.batches % BYTES_EVERY:
+                rec.batch_bytes = batch_nbytes(batch)
+        except Exception as e:
+            reraise_torch_worker_error(e)
+        return batch
+
+    def _resumed(self, resume: Callable[[], tuple[Any, int, Counter] | None]) -> None:
+        """The tuner's pending mid-epoch change, if any: the iterator from here on."""
+        try:
+            got = resume()
+        except Exception as e:
+            reraise_torch_worker_error(e)
+            log.warning("the tuner's mid-epoch change failed; the epoch goes on as it was",
+                        exc_info=True)
+            self._resume = None
+            return
+        if got is not None:
+            self._it, self._gen, self._count = got
+            self._probe = self._owner.probe_at(self._it) if self._owner.tuning_now else 0
+
+    def _finish(self, clean: bool, exc: BaseException | None = None) -> None:
+        if clean and self._done:
+            return
+        self._done = self._done or clean
+        try:
+            if clean:
+                self._owner.end(self._gen)
+            elif exc is not None:
+                self._owner.error(exc, self._it, count=not isinstance(self, QuietIterator))
+        except Exception as e:
+            reraise_torch_worker_error(e)
+            log.debug("metrics bookkeeping failed at the end of an epoch", exc_info=True)
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in TimedIterator.__slots__:
+            raise AttributeError(name)
+        return getattr(self._it, name)
+
+
+class QuietIterator(TimedIterator):
+    """A held torch loader's iterator: its batches are measured by the holder; this only
+    ends its workers' generation and reports an error (see TimedIterator._finish)."""
+
+    __slots__ = ()
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._finish(True)
+            raise
+        except Exception as e:
+            self._finish(False, e)
+            raise

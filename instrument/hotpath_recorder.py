@@ -1,0 +1,143 @@
+"""What the per-batch code records for one (loader, rank), and how it is read.
+
+The training loop only appends integer nanoseconds to bounded deques and bumps plain ints.
+Whoever reads the metrics (the snapshot thread, a scrape) drains the deques under a lock
+and bins them into cumulative histograms with numpy (LoaderRecorder.flush), so no lock,
+file or GPU synchronisation sits on the per-batch path. The metric families built from
+recorders: loader_collector.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dataloader_exporter.core import catalogue as cat
+
+from .worker_tracker import WorkerTracker
+
+# Durations kept per queue between two reads (snapshot writes or scrapes, normally every
+# second): 131072 batches of a few microseconds each, about 1 MB per queue at most.
+MAX_UNREAD = 1 << 17
+
+
+class DurationHistogram:
+    """Cumulative histogram in the catalogue's buckets, fed in bulk."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.bounds = buckets
+        self._bounds_ns = np.array([b * 1e9 for b in buckets], dtype=np.float64)
+        self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)
+        self.sum = 0.0
+
+    def add_ns(self, values: list[int]) -> None:
+        if not values:
+            return
+        arr = np.asarray(values, dtype=np.int64)
+        # side="left": a value equal to a bound belongs in that bound's bucket (le).
+        idx = np.searchsorted(self._bounds_ns, arr, side="left")
+        self.counts += np.bincount(idx, minlength=len(self.counts))
+        self.sum += float(arr.sum()) / 1e9
+
+    def buckets(self) -> list[tuple[str, float]]:
+        cum = np.cumsum(self.counts)
+        out = [(_le(b), float(c)) for b, c in zip(self.bounds, cum[:-1], strict=True)]
+        out.append(("+Inf", float(cum[-1])))
+        return out
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+def _drain(q: deque[int]) -> list[int]:
+    pop = q.popleft
+    return [pop() for _ in range(len(q))]
+
+
+class LoaderRecorder:
+    """Everything measured for one (loader, rank); shared by loaders of one name."""
+
+    def __init__(self, name: str, rank: str) -> None:
+        self.name = name
+        self.rank = rank
+        # Hot path (main thread appends; readers popleft under self.lock). Bounded, so a
+        # registry nobody reads keeps only the newest observations instead of growing.
+        self.fetch: deque[int] = deque(maxlen=MAX_UNREAD)
+        self.step: deque[int] = deque(maxlen=MAX_UNREAD)
+        self.transfer: deque[int] = deque(maxlen=MAX_UNREAD)
+        self.first: deque[int] = deque(maxlen=MAX_UNREAD)
+        self.batches = 0
+        self.samples = 0
+        # False once a batch's samples could not be counted (hotpath_batch.py,
+        # hotpath_workerblock.py): the total is then unknown and not exported, for the
+        # rest of the process.
+        self.samples_known = True
+        self.epochs = 0
+        self.iters = 0  # iter()s of the loaders of this name (the tuner's check)
+        self.batch_bytes = -1
+        self.transfer_bytes = 0
+        self.last_batch_ns = 0  # perf_counter_ns of the last batch handed out
+        # CUDA transfers: (start_event, end_event) pairs read once complete.
+        self.pending_events: deque[tuple[Any, Any]] = deque()
+        self.config: dict[str, str] = {}
+        self.gpu_uuid = ""  # the GPU batches go to (dataloader_info), "" until known
+        self.exited_at: float | None = None  # Unix time of a normal exit (Hub.exiting)
+        self.workers = WorkerTracker()
+        # The loader tuner (tuner_loop.py): changes by (setting, reason); whether it is stable
+        # (None: not tuned); its check after each flush.
+        self.tuner_changes: dict[tuple[str, str], int] = {}
+        self.tuner_stable: bool | None = None
+        self.tuner_settings = ""  # the settings it tunes, comma-separated
+        self.on_flush: Callable[[], None] | None = None
+        # Reader side.
+        self.lock = threading.Lock()
+        self.fetch_h = DurationHistogram(cat.TIME.buckets)
+        self.transfer_h = DurationHistogram(cat.TIME.buckets)
+        self.step_h = DurationHistogram(cat.STEP.buckets)
+        self.first_h = DurationHistogram(cat.FIRST_BATCH.buckets)
+
+    def flush(self, now: float | None = None, force: bool = False) -> None:
+        """Moves raw measurements into histograms and refreshes worker liveness (force:
+        the workers read now, past their interval: the tuner's readings)."""
+        with self.lock:
+            self.fetch_h.add_ns(_drain(self.fetch))
+            self.step_h.add_ns(_drain(self.step))
+            self.first_h.add_ns(_drain(self.first))
+            self.transfer_h.add_ns(_drain(self.transfer) + self._completed_events())
+        if self.samples_known and self.workers.miscounted():
+            self.samples_known = False
+        self.workers.refresh(time.monotonic() if now is None else now, batches=self.batches,
+                             force=force)
+        if self.on_flush is not None:
+            with contextlib.suppress(Exception):  # advice must never break a scrape
+                self.on_flush()
+
+    def miscount(self) -> None:
+        """A batch's count was found wrong (a custom collate_fn, hotpath_workerblock.py)."""
+        self.samples_known = False
+
+    def _completed_events(self) -> list[int]:
+        done: list[int] = []
+        q = self.pending_events
+        while q:
+            start, end = q[0]
+            try:
+                if not end.query():
+                    break
+                done.append(int(start.elapsed_time(end) * 1e6))
+            except Exception:  # a failed CUDA context must not break metrics
+                pass
+            q.popleft()
+        return done
+
+    def last_batch_unix(self) -> float | None:
+        if not self.last_batch_ns:
+            return None
+        return time.time() - (time.perf_counter_ns() - self.last_batch_ns) / 1e9

@@ -1,0 +1,112 @@
+"""Worker processes report to their main process through a small shared-memory block.
+
+How the block reaches the workers, and why only this way. torch hands a worker four
+objects of ours: the dataset, the sampler's indices, ``worker_init_fn`` and ``collate_fn``.
+torch and users branch on the dataset's type (``IterDataPipe`` sharding and reseeding,
+``IterableDataset``, ``isinstance(get_worker_info().dataset, MyDataset)``), so the dataset
+is never replaced, not even for the workers, and ``worker_init_fn`` is left alone too.
+What remains is ``collate_fn``, a plain callable that torch calls once per batch in the
+worker and never inspects. While the iterator starts its workers it sees a
+``TimedCollate`` around the user's function; ``loader.collate_fn`` is the user's again
+before ``iter()`` returns.
+
+At the end of each batch a worker writes into its row of an int64 block: the process's
+CPU time so far, samples collated, the wall time (ns), its pid, and two flags that keep
+sample counts honest (hotpath_batch.py): UNCOUNTED, batches whose samples it could not
+count (batch_size=None items that are not recognisably batches), and MISCOUNTED, batches
+of a custom collate_fn whose count as the main process reads it (batch_len) differs from
+the samples the collate_fn was given. The main process exports no sample count that one
+of them makes unknown. How long a worker spent fetching samples (wall time, I/O
+included) cannot be known without wrapping the dataset, so it is not measured: CPU time
+is what is exported. One block belongs to one torch iterator (one generation of
+workers); when that iterator is collected its workers are gone, and the block's figures
+are folded into per-worker totals and released.
+
+The main process reads the blocks at most once a second, off the per-batch path
+(worker_tracker.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import get_worker_info
+
+from .hotpath_batch import batch_len, item_len
+
+CPU, SAMPLES, HEARTBEAT, PID, UNCOUNTED, MISCOUNTED = range(6)
+_FIELDS = 6
+
+
+def new_block(num_workers: int) -> torch.Tensor:
+    """A zeroed [num_workers, 6] int64 block in shared memory."""
+    return torch.zeros((num_workers, _FIELDS), dtype=torch.int64).share_memory_()
+
+
+class TimedCollate:
+    """The user's collate_fn, plus one row update per batch when called in a worker.
+
+    batched: auto-collation (`data` is the list of samples of one batch); else `data` is
+    one item as the dataset yielded it (batch_size=None). verify: check batch_len of the
+    output against len(data) (a custom collate_fn). block None: in the main process
+    (num_workers=0), where a miscount only calls on_miscount.
+    """
+
+    def __init__(self, collate_fn: Callable[[Any], Any], block: torch.Tensor | None,
+                 batched: bool, verify: bool = False,
+                 on_miscount: Callable[[], None] | None = None) -> None:
+        self.collate_fn = collate_fn
+        self.block = block
+        self.batched = batched
+        self.verify = verify
+        self.on_miscount = on_miscount
+        self._row: Any = None  # this process's row; False where there is none
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"collate_fn": self.collate_fn, "block": self.block, "batched": self.batched,
+                "verify": self.verify, "on_miscount": None, "_row": None}
+
+    def __call__(self, data: Any) -> Any:
+        out = self.collate_fn(data)
+        row = self._row
+        if row is None:
+            row = self._row = self._bind()
+        try:  # counting must never stop a worker or change its batch
+            if self.batched:
+                # A __getitems__ may return something without len(): its count is unknown.
+                n: int | None = len(data) if hasattr(data, "__len__") else None
+                miscounted = self.verify and n is not None and batch_len(out) != n
+            else:
+                n, miscounted = item_len(out), False
+        except Exception:
+            n, miscounted = None, False
+        if row is False:
+            if miscounted and self.on_miscount is not None:
+                self.on_miscount()
+            return out
+        if n is None:
+            row[UNCOUNTED] += 1
+        else:
+            row[SAMPLES] += n
+        if miscounted:
+            row[MISCOUNTED] += 1
+        row[CPU] = time.process_time_ns()
+        row[HEARTBEAT] = time.time_ns()
+        return out
+
+    def _bind(self) -> Any:
+        if self.block is None:
+            return False
+        try:
+            info = get_worker_info()
+            if info is None:
+                return False
+            row = self.block.numpy()[info.id]
+            row[PID] = os.getpid()
+            return row
+        except Exception:  # metrics must never stop a worker
+            return False

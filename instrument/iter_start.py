@@ -1,0 +1,192 @@
+"""iter() of an instrumented loader: through the loader's own __iter__, its new workers
+given their one hook (hotpath_workerblock.py) while they start, and the TimedIterator
+(hotpath_iterator.py) the loop then takes. Runs once per iter(), never per batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import weakref
+from collections.abc import Callable
+from time import perf_counter_ns
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from dataloader_exporter.core.settings import log_name
+
+from . import compat
+from .hotpath_batch import batch_len, collated_len, item_len
+from .hotpath_iterator import Counter, QuietIterator, TimedIterator
+from .hotpath_workerblock import TimedCollate, new_block
+from .instruments import Instruments
+from .torch_originals import TORCH_ITER, lazy
+from .tuner_order import fresh_seed
+
+log = logging.getLogger("dataloader_exporter.instrument")
+
+
+def counter_for(loader: Any) -> Counter:
+    """How a torch loader's batches are counted (hotpath_batch.py): by the shape
+    default_collate gives them, by the length their fields agree on (a custom collate_fn,
+    checked against the samples it was given), or, with batch_size=None, only on evidence
+    of a batch."""
+    if getattr(loader, "batch_sampler", None) is None:
+        return item_len
+    return collated_len if getattr(loader, "collate_fn", None) is default_collate else batch_len
+
+
+class _Plan:
+    """What instrumented_iter hands torch's iterator: a collate_fn for its new workers (or
+    to check a custom collate_fn's counts in the main process), and their block."""
+
+    def __init__(self, loader: Any, instruments: Instruments, quiet: bool,
+                 again: bool = False) -> None:
+        instruments.start_epoch(loader, again)
+        self.count = counter_for(loader)
+        workers = getattr(loader, "num_workers", 0) or 0
+        verify = self.count is batch_len and not quiet
+        self.block: torch.Tensor | None = None
+        self.collate: TimedCollate | None = None
+        current = compat.persistent_iterator(loader)
+        started = instruments.started
+        self.started = started if started and started[0]() is current else None
+        self.reused = bool(workers) and (self.started is not None or (
+            bool(getattr(loader, "persistent_workers", False)) and instruments.tracking(current)))
+        if not workers:
+            if verify:  # the main process checks a custom collate_fn's count itself
+                self.collate = TimedCollate(loader.collate_fn, None, True, True,
+                                            instruments.rec.miscount)
+        elif not self.reused:  # new workers: their one hook (hotpath_workerblock.py)
+            self.block = new_block(workers)
+            self.collate = TimedCollate(loader.collate_fn, self.block,
+                                        loader.batch_sampler is not None, verify)
+        self.workers = workers
+
+
+def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callable[[Any], Any],
+                      quiet: bool = False) -> Any:
+    """iter(loader) through its own __iter__ (`torch_iter`: torch's, or a subclass's),
+    timed, its new workers given a TimedCollate while they start (their one hook, see
+    hotpath_workerblock.py); the loader's collate_fn is the user's again before this
+    returns.
+
+    quiet: a holder (webdataset's WebLoader) measures the batches the loop takes; this
+    iterator only reports the workers and the end of its epochs. A loader this cannot
+    plan for (a subclass without torch's attributes) is iterated as it is, unmeasured.
+    A subclass's __iter__ that returns a generator has not run torch's yet: it is
+    returned as it is, and measured where torch's runs (zerocode_hooks.py).
+    """
+    start = perf_counter_ns()
+    seed = None if quiet else instruments.at_iter(loader)
+    undo = instruments.tuning.undo if instruments.tuning is not None else None
+    torch_iter_as_is = torch_iter
+    if seed is not None:  # the tuner shut the persistent pool down: a new one, same order
+        torch_iter = fresh_seed(torch_iter, seed)
+    try:
+        plan = _Plan(loader, instruments, quiet)
+    except Exception:
+        log.warning("dataloader %r: cannot instrument %s; it runs unmeasured",
+                    log_name(instruments.name), type(loader).__qualname__, exc_info=True)
+        return torch_iter(loader)
+    try:
+        it = _start(loader, plan, torch_iter)
+    except Exception as e:  # the tuner's first pool could not start: without it
+        tuning = instruments.tuning
+        if undo is None or tuning is None or not tuning.cannot_run(loader, undo, e):
+            raise
+        plan, it = _again(loader, instruments, torch_iter, quiet)
+        undo = None
+    if torch_iter_as_is is not TORCH_ITER and inspect.isgenerator(it):
+        lazy(torch_iter_as_is)
+        return it
+    if plan.started is not None and plan.started[0]() is it:  # workers prestart() hooked
+        instruments.started = None
+        plan.block = plan.started[1]
+    gen = instruments.track(it, plan.block) if plan.workers else 0
+    if quiet:
+        return QuietIterator(it, instruments, start, gen, plan.count)
+    timed = TimedIterator(it, instruments, start, gen, plan.count)
+    if undo is not None:  # its first batch may fail in the workers: the same epoch without
+        timed._retry = _retry(loader, instruments, undo, torch_iter)
+    tuning = instruments.tuning
+    if tuning is not None and tuning.resumable and not tuning.tuner.stable:
+        timed._resume = _resumer(loader, instruments, torch_iter)
+    return timed
+
+
+def _start(loader: Any, plan: _Plan, torch_iter: Callable[[Any], Any]) -> Any:
+    return _with_collate(loader, plan.collate, torch_iter) if plan.collate else torch_iter(
+        loader)
+
+
+def _again(loader: Any, instruments: Instruments, torch_iter: Callable[[Any], Any],
+           quiet: bool = False) -> tuple[_Plan, Any]:
+    """The same iter() planned and started anew, under the setting the tuner made or
+    undid: its plan and torch's iterator."""
+    plan = _Plan(loader, instruments, quiet, again=True)
+    return plan, _start(loader, plan, torch_iter)
+
+
+def _retry(loader: Any, instruments: Instruments, undo: Any, torch_iter: Callable[[Any], Any]
+           ) -> Callable[[Exception], tuple[Any, Counter] | None]:
+    """For the first batch of the tuner's first worker pool: when it fails, the same
+    epoch again without workers (the loader's RNGs as before its iter(), so the same
+    order), or None to let the error go on."""
+    def retry(error: Exception) -> tuple[Any, Counter] | None:
+        if instruments.tuning is None or not instruments.tuning.cannot_run(loader, undo, error):
+            return None
+        instruments.forget_workers()  # ended on purpose: the failed pool goes with its iterator
+        plan, it = _again(loader, instruments, torch_iter)
+        return it, plan.count
+    return retry
+
+
+def _resumer(loader: Any, instruments: Instruments, torch_iter: Callable[[Any], Any]
+             ) -> Callable[[], tuple[Any, int, Counter] | None]:
+    """For a tuned loader that resumes exactly from its state_dict(): at the loop's
+    readings, the tuner's pending mid-epoch change made (LoaderTuning.resume) and the iterator
+    that goes on from the same batch under it, with its workers' hook and tracking."""
+    def resume() -> tuple[Any, int, Counter] | None:
+        tuning = instruments.tuning
+        if tuning is None or tuning.pending is None or not tuning.resume(loader):
+            return None
+        instruments.forget_workers()  # the old pool ends with its iterator, on purpose
+        plan, it = _again(loader, instruments, torch_iter)
+        gen = instruments.track(it, plan.block) if plan.workers else 0
+        tuning.remark(loader)
+        return it, gen, plan.count
+    return resume
+
+
+def prestart(loader: Any, instruments: Instruments, state_dict: Callable[[Any], Any]) -> Any:
+    """loader.state_dict() asked before the first iter(): torchdata starts the iterator
+    and its workers there, so they get their hook here, and iter() takes them over."""
+    workers = getattr(loader, "num_workers", 0) or 0
+    if not workers or compat.persistent_iterator(loader) is not None:
+        return state_dict(loader)
+    try:
+        block = new_block(workers)
+        collate = TimedCollate(loader.collate_fn, block, loader.batch_sampler is not None,
+                               counter_for(loader) is batch_len)
+    except Exception:
+        return state_dict(loader)
+    result = _with_collate(loader, collate, state_dict)
+    it = compat.persistent_iterator(loader)
+    if it is not None:
+        with contextlib.suppress(TypeError):
+            instruments.started = (weakref.ref(it), block)
+    return result
+
+
+def _with_collate(loader: Any, collate: TimedCollate, torch_iter: Callable[[Any], Any]) -> Any:
+    """torch_iter(loader) while its collate_fn is `collate` (the user's again after)."""
+    user = loader.collate_fn
+    loader.collate_fn = collate
+    try:
+        return torch_iter(loader)
+    finally:
+        loader.collate_fn = user

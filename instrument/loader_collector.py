@@ -1,0 +1,134 @@
+"""The prometheus_client Collector over a process's loader recorders: the trainer metrics
+of the catalogue, built fresh at each collection (a snapshot write or a scrape), after the
+recorders have binned their raw durations (LoaderRecorder.flush). Off the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client.metrics_core import Metric as Family
+from prometheus_client.registry import Collector
+
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.exporter.collectors.base import family
+
+from .hotpath_recorder import LoaderRecorder
+
+TRAINER_METRICS: tuple[cat.Metric, ...] = tuple(m for m in cat.ALL if m.source == cat.TRAINER)
+
+
+class LoaderCollector(Collector):
+    """Yields the trainer metrics of every recorder in a process's registry."""
+
+    def __init__(self, recorders: Callable[[], Iterable[LoaderRecorder]]) -> None:
+        self._recorders = recorders
+
+    def describe(self) -> Iterator[Family]:
+        """The families collect() yields, so a registry refuses a second trainer collector."""
+        for metric in TRAINER_METRICS:
+            yield family(metric)
+
+    def collect(self) -> Iterator[Family]:
+        recs = list(self._recorders())
+        for r in recs:
+            r.flush()
+        yield from _families(recs)
+
+
+def _families(recs: list[LoaderRecorder]) -> Iterator[Family]:
+    time_f, step_f, first_f = family(cat.TIME), family(cat.STEP), family(cat.FIRST_BATCH)
+    for r in recs:
+        with r.lock:  # a concurrent flush must not tear a histogram
+            for phase, h in ((cat.PHASE_FETCH, r.fetch_h), (cat.PHASE_TRANSFER, r.transfer_h)):
+                time_f.add_metric([r.name, r.rank, phase], h.buckets(), h.sum)
+            step_f.add_metric([r.name, r.rank], r.step_h.buckets(), r.step_h.sum)
+            first_f.add_metric([r.name, r.rank], r.first_h.buckets(), r.first_h.sum)
+    yield time_f
+    yield step_f
+    yield first_f
+    simple: list[tuple[cat.Metric, Callable[[LoaderRecorder], float | None]]] = [
+        (cat.BATCHES, lambda r: r.batches),
+        (cat.SAMPLES, lambda r: r.samples if r.samples_known else None),
+        (cat.EPOCHS, lambda r: r.epochs),
+        (cat.TRANSFER_BYTES, lambda r: r.transfer_bytes),
+        (cat.LAST_BATCH, LoaderRecorder.last_batch_unix),
+        (cat.EXITED, lambda r: r.exited_at),
+        (cat.BATCH_BYTES, lambda r: r.batch_bytes if r.batch_bytes >= 0 else None),
+        (cat.WORKERS_CONFIGURED, lambda r: _int(r.config.get("num_workers"))),
+        (cat.WORKERS_ACTIVE, lambda r: r.workers.active),
+        (cat.WORKERS_LOST, lambda r: r.workers.lost),
+    ]
+    for metric, get in simple:
+        f = family(metric)
+        for r in recs:
+            value = get(r)
+            if value is not None:
+                f.add_metric([r.name, r.rank], value)
+        yield f
+    cpu, samples, beat = family(cat.WORKER_CPU), family(cat.WORKER_SAMPLES), family(
+        cat.WORKER_HEARTBEAT)
+    for r in recs:
+        for worker, cpu_ns, n, beat_ns in r.workers.per_worker():
+            labels = [r.name, r.rank, str(worker)]
+            cpu.add_metric(labels, cpu_ns / 1e9)
+            if n is not None:
+                samples.add_metric(labels, n)
+            beat.add_metric(labels, beat_ns / 1e9)
+    yield cpu
+    yield samples
+    yield beat
+    yield from _proc_families(recs)
+    changes, stable = family(cat.TUNER_CHANGES), family(cat.TUNER_STABLE)
+    for r in recs:
+        state = r.tuner_stable  # read once: the tuner may stop between two reads
+        if state is not None:
+            stable.add_metric([r.name, r.rank, r.tuner_settings], float(state))
+        for (setting, reason), n in sorted(r.tuner_changes.items()):
+            changes.add_metric([r.name, r.rank, setting, reason], n)
+    yield changes
+    yield stable
+    info = family(cat.INFO)
+    for r in recs:
+        if r.config:
+            known = {**r.config, "gpu_uuid": r.gpu_uuid}
+            info.add_metric([r.name, r.rank, *(known.get(k, "") for k in cat.INFO_LABELS[2:])],
+                            1)
+    yield info
+
+
+def _proc_families(recs: list[LoaderRecorder]) -> Iterator[Family]:
+    """Where the workers' time and memory go (/proc, procstat.py), and failures by cause."""
+    time_f, read_f, faults_f = (family(m) for m in (cat.WORKER_TIME, cat.WORKER_READ,
+                                                     cat.WORKER_MAJOR_FAULTS))
+    memory_f, max_f, fail_f = (family(m) for m in (cat.WORKER_MEMORY, cat.WORKER_MAX_RSS,
+                                                    cat.FAILURES))
+    for r in recs:
+        lr = [r.name, r.rank]
+        for cause, n in r.workers.failures.items():
+            if n:  # a cause seen; the alerts take a series first seen at 1 as a failure
+                fail_f.add_metric([*lr, cause], n)
+        fig = r.workers.proc_figures()
+        if fig is None:
+            continue  # no worker read (yet): unknown, not 0
+        split: list[tuple[Any, tuple[str, ...], tuple[int | None, ...], float]] = [
+            (time_f, cat.WORKER_STATES, (fig.running_ns, fig.waiting_ns, fig.blocked_ns), 1e9),
+            (read_f, cat.READ_SOURCES, (fig.read_storage, fig.read_syscalls), 1.0),
+            (memory_f, cat.MEMORY_KINDS, (fig.rss_bytes, fig.pss_bytes, fig.swap_bytes,
+                                          fig.available_bytes), 1.0)]
+        for fam, names, values, scale in split:
+            for label, v in zip(names, values, strict=True):
+                if v is not None:
+                    fam.add_metric([*lr, label], v / scale)
+        if fig.major_faults is not None:
+            faults_f.add_metric(lr, fig.major_faults)
+        max_f.add_metric(lr, fig.max_rss_bytes)
+    yield from (time_f, read_f, faults_f, memory_f, max_f, fail_f)
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None

@@ -1,0 +1,43 @@
+"""What this rank may use now, as the loader tuner reads it before each decision: its
+cores, the memory more workers may still take, and /dev/shm free.
+
+Read each time, never cached: a container's limit, a neighbour's memory and the other
+ranks' workers change while a job runs. A figure that cannot be read is None, which
+blocks growth rather than allowing it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dataloader_exporter.core import advisor, bands
+from dataloader_exporter.core.facts.cgroup import cgroup_memory_limit
+from dataloader_exporter.core.facts.memory import host_memory
+from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
+from dataloader_exporter.core.tuner_rules import Budget
+
+from .rank import local_world_size
+from .worker_tracker import process_memory_available
+
+
+def memory_budget() -> int | None:
+    """Memory more workers may take: what this process's container (or the host) may
+    still allocate, less bands.MEMORY_RESERVE of its limit (or of the host's memory)."""
+    room = process_memory_available()
+    if room is None:
+        return None
+    try:
+        total, _ = host_memory()
+        limit = cgroup_memory_limit(total)
+    except Exception:  # a figure that cannot be read is unknown: it blocks growth
+        return None
+    return room - int(bands.MEMORY_RESERVE * (total if limit is None else limit))
+
+
+def budget() -> Budget:
+    """What this rank may use now: the share of the cores its affinity and cgroup allow
+    per local rank (advisor.worker_cores), memory_budget() and /dev/shm free."""
+    cores = advisor.worker_cores(advisor.local_cpu(), local_world_size(),
+                                 torch.cuda.is_initialized())
+    shm = shm_space(SHM_PATH)
+    return Budget(cores, memory_budget(), shm.free if shm is not None else None)

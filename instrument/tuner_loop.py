@@ -1,0 +1,328 @@
+"""The loader tuner at work: core.tuner_rules decides, this measures and applies.
+
+A loader is tuned only when asked: ``auto`` in $DATALOADER_EXPORTER_SETTINGS
+(``train.num_workers=auto``) or ``tune=`` on instrument.DataLoader. At each iter() the
+epoch that ran since the previous iter() (tuner_epoch.py) is judged against this rank's
+budget, read each time (tuner_budget.py).
+
+A change is applied only between iterators, before torch's __iter__ runs: the public
+``num_workers`` and ``prefetch_factor`` attributes. A persistent pool is shut down and
+built anew at that iter() (its start counts in that epoch's figures), and the batches
+keep their order (tuner_order.py). An IterableDataset's worker count decides how it is
+split: the tuner never changes it there. Where a change would change the order, the
+tuner only says what it would set.
+
+An epoch still running after LONG_EPOCH (one-epoch pre-training) is judged in the loop. A
+loader that resumes exactly from its state_dict() (torchdata's StatefulDataLoader) takes a
+prefetch_factor change there: state_dict(), the setting, load_state_dict() and a new
+iterator from the same batch (resume(), iter_start._resumer). A num_workers change is
+only said: no torch loader resumes mid-epoch under another worker count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from time import perf_counter_ns
+from typing import Any
+
+import torch
+import torch.utils.data
+
+from dataloader_exporter.core.settings import ENV_SETTINGS, SettingsError, log_name, parse
+from dataloader_exporter.core.tuner_rules import REASONS_OF, Decision, Setting, Tuner
+
+from . import compat
+from .envsettings import once
+from .failure_causes import is_torch_worker_error
+from .hotpath_recorder import LoaderRecorder
+from .tuner_budget import budget
+from .tuner_epoch import Mark, epoch_since, setting_of, take_mark
+from .tuner_order import order_bound
+
+log = logging.getLogger("dataloader_exporter.instrument")
+
+LONG_EPOCH = 600.0  # seconds: an epoch running longer is judged, as advice only
+
+
+def knobs_of(tune: bool | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """instrument.DataLoader's ``tune=``: True for both settings, or their names."""
+    if tune is True:
+        return ("num_workers", "prefetch_factor")
+    if tune is False:
+        return ()
+    names = tuple(tune)
+    unknown = [n for n in names if n not in ("num_workers", "prefetch_factor")]
+    if unknown or isinstance(tune, str):
+        raise ValueError(f"tune: expected True, False or names among num_workers and "
+                         f"prefetch_factor, got {tune!r}")
+    return names
+
+
+def _text(s: Setting) -> str:
+    return f"num_workers={s.workers}, prefetch_factor={s.prefetch}"
+
+
+@dataclass(frozen=True)
+class Undo:
+    """What a change from no workers to some replaced, to put back if the new pool cannot
+    start or fails its first batch (a dataset that cannot run in a worker): the settings,
+    and the loader's generator and torch's CPU RNG as they were before torch's iter()."""
+
+    setting: Setting
+    prefetch: int | None
+    generator: torch.Tensor | None
+    cpu: torch.Tensor
+
+
+class LoaderTuning:
+    """One loader object's tuner, fed at each iter() (Instruments.at_iter)."""
+
+    def __init__(self, name: str, knobs: tuple[str, ...], loader: Any,
+                 rec: LoaderRecorder) -> None:
+        self.name = name
+        self.rec = rec
+        iterable = isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
+        workers = "num_workers" in knobs and not iterable
+        if "num_workers" in knobs and iterable:
+            once.problem(f"tune-iterable:{name}", "dataloader %r: num_workers=auto is not "
+                         "applied: its dataset is an IterableDataset, whose worker count "
+                         "decides how it is split; only prefetch_factor is tuned",
+                         log_name(name))
+        self.tuner = Tuner(setting_of(loader), workers=workers,
+                           prefetch="prefetch_factor" in knobs)
+        # Where a change would change the order of the batches, the tuner only advises.
+        self.advice_only = order_bound(loader, self.tuner.start.workers)
+        if iterable and getattr(loader, "persistent_workers", False):
+            self.advice_only = ("its IterableDataset's stream lives in its persistent workers: "
+                                "a new pool would start it anew")
+        self._lock = threading.RLock()  # a flush inside at_iter calls tick()
+        self._mark: Mark | None = None
+        self._said_stable = False
+        self._advised = False
+        self.undo: Undo | None = None  # armed by a change from no workers, for one iter()
+        # A loader that resumes exactly from its state_dict() (torchdata's
+        # StatefulDataLoader) takes a prefetch_factor change mid-epoch (resume()).
+        self.resumable = (callable(getattr(loader, "state_dict", None))
+                          and callable(getattr(loader, "load_state_dict", None)))
+        self.pending: Decision | None = None  # decided in a long epoch, made at resume()
+        rec.on_flush = self.tick
+        self.tuned = tuple(k for k in knobs if k != "num_workers" or workers)
+        if self.advice_only:
+            log.info("dataloader %r: the tuner only says what it would set: %s",
+                     log_name(name), self.advice_only)
+        elif self.tuned:  # exported only where the tuner sets something
+            rec.tuner_stable = False
+            rec.tuner_settings = ",".join(self.tuned)
+            for setting in self.tuned:
+                for reason in REASONS_OF[setting]:
+                    rec.tuner_changes.setdefault((setting, reason), 0)
+            log.info("dataloader %r: the tuner sets %s between epochs, from %s",
+                     log_name(name), " and ".join(self.tuned), _text(self.tuner.start))
+
+    def at_iter(self, loader: Any, forget_workers: Callable[[], None]) -> int | None:
+        """Judges the epoch since the last iter() and applies a change to `loader` before
+        torch's iter() runs. Returns the base seed for a persistent pool rebuilt here (see
+        fresh_seed), else None. Never raises: the tuner must never stop training."""
+        try:
+            with self._lock:
+                seed = None
+                self.undo = None
+                mark, self._mark = self._mark, None
+                pending, self.pending = self.pending, None
+                if pending is not None:  # decided in a long epoch that ended first: now
+                    seed = self._apply(loader, pending, forget_workers)
+                elif mark is not None and not self.tuner.stable:
+                    epoch = epoch_since(self.rec, mark, self.name)
+                    if epoch is not None and self.advice_only:
+                        self._advise(copy.deepcopy(self.tuner).observe(epoch, budget()),
+                                     self.advice_only)
+                        self.tuner.stable = True
+                    elif epoch is not None:
+                        decision = self.tuner.observe(epoch, budget())
+                        if decision is not None:
+                            seed = self._apply(loader, decision, forget_workers)
+                self._say_stable()
+                if not self.tuner.stable:
+                    self._mark = take_mark(self.rec, loader)
+                return seed
+        except Exception as e:
+            if is_torch_worker_error(e):
+                raise  # torch's word that a worker died goes on to the loop
+            log.warning("dataloader %r: the tuner failed and stops; the loader keeps its "
+                        "settings", log_name(self.name), exc_info=True)
+            self.tuner.stable = True
+            self.rec.tuner_stable = None  # no tuner runs: its series go
+            return None
+
+    def _apply(self, loader: Any, decision: Decision,
+               forget_workers: Callable[[], None]) -> int | None:
+        s = decision.setting
+        old = compat.persistent_iterator(loader) if getattr(
+            loader, "persistent_workers", False) else None
+        before = loader.num_workers, loader.prefetch_factor
+        if decision.name == "num_workers" and decision.old == 0:
+            gen = getattr(loader, "generator", None)
+            self.undo = Undo(setting_of(loader), before[1],
+                             gen.get_state() if isinstance(gen, torch.Generator) else None,
+                             torch.get_rng_state())
+        try:  # both or neither: torch needs a prefetch_factor with workers
+            loader.prefetch_factor = s.prefetch if s.workers else None
+            loader.num_workers = s.workers
+            if old is not None and not compat.shut_down(loader, old):
+                raise RuntimeError("cannot end its persistent workers (torch's private "
+                                   "_iterator or _shutdown_workers is missing)")
+        except BaseException:
+            for attr, value in zip(("num_workers", "prefetch_factor"), before, strict=True):
+                with contextlib.suppress(Exception):
+                    if getattr(loader, attr) != value:
+                        setattr(loader, attr, value)
+            raise
+        seed = None
+        if old is not None:  # the pool torch would have reused had the old settings
+            seed = compat.base_seed(old)
+            forget_workers()
+        self._count(decision.name, decision.reason)
+        rebuilt = " (its persistent workers start anew)" if old is not None else ""
+        log.warning("%s%s", decision.line(log_name(self.name)), rebuilt)
+        return seed
+
+    def _count(self, setting: str, reason: str) -> None:
+        """One change made, in dataloader_tuner_changes_total."""
+        changes = self.rec.tuner_changes
+        changes[(setting, reason)] = changes.get((setting, reason), 0) + 1
+
+    def cannot_run(self, loader: Any, undo: Undo, error: Exception) -> bool:
+        """The change `undo` records could not run: puts the loader's settings and RNGs back
+        as they were before its iter() (so the retried epoch draws the same order) and
+        stops adding workers. False when it cannot (training then sees the error)."""
+        if undo is not self.undo:
+            return False
+        self.undo = None
+        try:
+            with self._lock:
+                now = loader.num_workers
+                loader.num_workers = undo.setting.workers
+                loader.prefetch_factor = undo.prefetch
+                gen = getattr(loader, "generator", None)
+                if undo.generator is not None and isinstance(gen, torch.Generator):
+                    gen.set_state(undo.generator)
+                torch.set_rng_state(undo.cpu)
+                self.tuner.cannot_run(undo.setting)
+                self._count("num_workers", "reverted")
+        except Exception:
+            log.warning("dataloader %r: the tuner cannot undo its change",
+                        log_name(self.name), exc_info=True)
+            return False
+        lines = str(error).strip().splitlines()
+        said = lines[-1] if lines else ""  # torch's worker traceback ends with the error
+        kind = type(error).__name__
+        said = said[len(kind) + 2:] if said.startswith(f"{kind}: ") else said
+        log.warning("dataloader %r: num_workers %d -> %d: its workers failed (%s: %s); the "
+                    "epoch starts again without them and the tuner adds none",
+                    log_name(self.name), now, undo.setting.workers, kind, said[:200])
+        self._said_stable = False
+        self._say_stable()
+        return True
+
+    def _say_stable(self) -> None:
+        if not self.tuner.stable or self._said_stable:
+            return
+        self._said_stable = True
+        if self.rec.tuner_stable is None:
+            return  # it advised, stopped, or had nothing to set: no settings line
+        self.rec.tuner_stable = True
+        line = self.tuner.settings_line(self.name)
+        try:
+            parse(line or "")
+        except SettingsError:
+            line = None  # a name a settings line cannot hold
+        if line:
+            log.warning("dataloader %r: the tuner is stable at num_workers=%d, "
+                        "prefetch_factor=%d; to keep them without tuning: %s=%s",
+                        log_name(self.name), self.tuner.current.workers,
+                        self.tuner.current.prefetch, ENV_SETTINGS, line)
+
+    def tick(self) -> None:
+        """After a flush (a reader's thread, or the loop's own reading): an epoch running
+        past LONG_EPOCH is judged. A prefetch_factor change of a loader that resumes
+        exactly from its state_dict() is decided, to be made at the loop's next reading
+        (resume()); anything else is said once, not applied."""
+        mark = self._mark
+        if self._advised or mark is None or self.tuner.stable or self.pending is not None:
+            return
+        now = perf_counter_ns()
+        if (now - mark.t_ns) / 1e9 < LONG_EPOCH:
+            return
+        with self._lock:
+            if self._advised or self._mark is not mark:
+                return
+            epoch = epoch_since(self.rec, mark, self.name, flush=False, end_ns=now)
+            if epoch is None:
+                return
+            self._advised = True
+            room = budget()
+            decision = copy.deepcopy(self.tuner).observe(epoch, room)
+            if (self.resumable and not self.advice_only
+                    and (decision is None or decision.name == "prefetch_factor")):
+                self.pending = self.tuner.observe(epoch, room)  # the same, made
+                if self.pending is None:
+                    self._say_stable()
+                return
+        because = (f"its epoch has run {(now - mark.t_ns) / 1e9:.0f} s, and a change needs a "
+                   "new iterator")
+        if self.resumable and decision is not None and decision.name == "num_workers":
+            because += (" (a state_dict() saved under one num_workers does not resume under "
+                        "another)")
+        self._advise(decision, because)
+
+    def resume(self, loader: Any) -> bool:
+        """In the loop, mid-epoch: makes the pending prefetch_factor change of a loader
+        that resumes exactly: its state_dict() now, the new setting, load_state_dict(); the
+        caller then builds its next iterator, which goes on from that very batch. False
+        when there is none to make or it could not be made (the loader keeps its
+        setting, and the tuner stops)."""
+        with self._lock:
+            decision, self.pending = self.pending, None
+            if decision is None:
+                return False
+            before = loader.prefetch_factor
+            try:
+                state = loader.state_dict()
+                loader.prefetch_factor = decision.setting.prefetch
+                loader.load_state_dict(state)
+            except Exception as e:
+                with contextlib.suppress(Exception):
+                    loader.prefetch_factor = before
+                if is_torch_worker_error(e):
+                    raise
+                log.warning("dataloader %r: the tuner cannot resume it mid-epoch; it keeps "
+                            "its settings and the tuner stops", log_name(self.name),
+                            exc_info=True)
+                self.tuner.stable = True
+                self.rec.tuner_stable = None
+                return False
+            self._count(decision.name, decision.reason)
+            log.warning("%s (mid-epoch: resumed from its state_dict())",
+                        decision.line(log_name(self.name)))
+            return True
+
+    def remark(self, loader: Any) -> None:
+        """A mid-epoch change was made: the window judged next starts now."""
+        with self._lock:
+            self._mark = take_mark(self.rec, loader)
+            self._advised = False
+            self._say_stable()
+
+    def _advise(self, decision: Decision | None, because: str) -> None:
+        """Says what the tuner would set, once, without setting it."""
+        if decision is None:
+            return
+        once.problem(f"tune-advice:{self.name}", "dataloader %r: the tuner would set %s %d -> "
+                     "%d (%s) but leaves it: %s. To set it: %s=%s.%s=%d", log_name(self.name),
+                     decision.name, decision.old, decision.new, decision.why, because,
+                     ENV_SETTINGS, self.name, decision.name, decision.new)

@@ -1,0 +1,332 @@
+"""Liveness and per-worker totals of one loader name's worker processes, off the hot path.
+
+A generation is one torch iterator's workers: their shared-memory block
+(hotpath_workerblock.py; None for wrapped loaders) and their pids. It is watched while
+its workers should be alive, and folded into per-worker totals, its block released, once
+torch's iterator is collected (torch has shut the workers down by then). The finalizer
+only queues the generation: the fold happens at the next locked call, so a garbage
+collection inside a locked call (a scrape, say) cannot count a generation twice.
+
+A watched worker that is gone counts as lost only when that is known: it was killed or
+exited non-zero (read without reaping it: waitid with WNOWAIT, the check torch's own
+SIGCHLD handler makes, or a zombie's /proc stat), or it is gone when the loader raised.
+A worker that exits 0 has finished on purpose (an IterableDataset shard ran out, torch
+shut it down). A worker that failed gets its cause when its exit says it
+(failure_causes.py); one whose exit cannot be read is lost with no cause claimed.
+
+Each refresh also reads /proc for every live worker (procstat.py): where its time goes
+and its memory, and the memory its process may still allocate
+(process_memory_available).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from dataloader_exporter.core.catalogue import FAILURE_CAUSES
+from dataloader_exporter.core.facts.cgroup import cgroup_memory_available
+from dataloader_exporter.core.facts.memory import host_memory
+from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
+
+from .failure_causes import (
+    CRASH,
+    SHM_SMALL,
+    Exit,
+    cause_of_exit,
+    exit_of,
+    is_torch_worker_error,
+    oom_watch,
+)
+from .hotpath_workerblock import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED
+from .procstat import Figures, Liveness, ProcAccount
+
+
+def _shm_full(path: str = SHM_PATH) -> bool:
+    """Whether /dev/shm could have been what a SIGBUS hit: small (a container's) or at
+    least half full."""
+    space = shm_space(path)
+    return space is not None and (space.size < SHM_SMALL or space.used * 2 >= space.size)
+
+
+def process_memory_available() -> int | None:
+    """What this process's container (or the host) may still allocate; None when it cannot
+    be read."""
+    try:
+        total, available = host_memory()
+        return cgroup_memory_available(total, available)
+    except Exception:  # a figure that cannot be read is left out, never guessed
+        return None
+
+
+def _signal_name(signo: int) -> str:
+    try:
+        return signal.Signals(signo).name
+    except ValueError:
+        return str(signo)
+
+
+class _Totals:
+    """Per-worker-index totals of folded generations: CPU and samples summed, the latest
+    heartbeat, and the UNCOUNTED and MISCOUNTED flags summed (hotpath_workerblock.py)."""
+
+    __slots__ = ("beat", "cpu", "miscounted", "samples", "uncounted")
+
+    def __init__(self, width: int = 0) -> None:
+        self.cpu = np.zeros(width, dtype=np.int64)
+        self.samples = np.zeros(width, dtype=np.int64)
+        self.beat = np.zeros(width, dtype=np.int64)
+        self.uncounted = np.zeros(width, dtype=np.int64)
+        self.miscounted = np.zeros(width, dtype=np.int64)
+
+    @property
+    def width(self) -> int:
+        return int(self.cpu.shape[0])
+
+    def grow(self, width: int) -> None:
+        if width > self.width:
+            extra = np.zeros(width - self.width, dtype=np.int64)
+            for name in self.__slots__:
+                setattr(self, name, np.concatenate([getattr(self, name), extra]))
+
+    def add(self, block: torch.Tensor) -> None:
+        arr = block.numpy()
+        n = arr.shape[0]
+        self.grow(n)
+        self.cpu[:n] += arr[:, CPU]
+        self.samples[:n] += arr[:, SAMPLES]
+        self.uncounted[:n] += arr[:, UNCOUNTED]
+        self.miscounted[:n] += arr[:, MISCOUNTED]
+        np.maximum(self.beat[:n], arr[:, HEARTBEAT], out=self.beat[:n])
+
+    def copy(self) -> _Totals:
+        out = _Totals()
+        for name in self.__slots__:
+            setattr(out, name, getattr(self, name).copy())
+        return out
+
+
+class _Generation:
+    __slots__ = ("block", "pids", "watched")
+
+    def __init__(self, block: torch.Tensor | None, pids: list[int]) -> None:
+        self.block = block
+        self.pids = set(pids)
+        self.watched = True
+
+    def all_pids(self) -> set[int]:
+        pids = set(self.pids)
+        if self.block is not None:
+            pids.update(int(p) for p in self.block.numpy()[:, PID] if p)
+        return pids
+
+
+class WorkerTracker:
+    """Live workers, lost workers and per-worker totals for one (loader, rank)."""
+
+    def __init__(self, min_interval: float = 0.9) -> None:
+        self.min_interval = min_interval
+        self.active: int | None = None  # None: not known (yet)
+        # True while the loader has workers this process cannot see: active is unknown.
+        self.blind = False
+        self.lost = 0
+        self._lock = threading.Lock()
+        self._live: dict[int, _Generation] = {}
+        self._collected: deque[int] = deque()  # generations whose iterator is gone
+        self._done: set[int] = set()  # pids that ended, lost or not: never counted again
+        self._ids = 0
+        self._totals = _Totals()
+        self._liveness = Liveness()
+        self._next = 0.0
+        self.proc = ProcAccount()
+        self.failures = dict.fromkeys(FAILURE_CAUSES, 0)
+        # Told of each failure with a cause: (cause, pid or None, what was seen).
+        self.report: Callable[[str, int | None, str], None] | None = None
+        self._unreported: list[tuple[str, int | None, str]] = []
+        self._seen: dict[int, tuple[float, int] | None] = {}  # pid -> last alive reading
+        self._batches_seen = 0  # the loader's batches at the last /proc reading
+
+    # --- fed by the loader ------------------------------------------------------------
+    def start(self, iterator: Any, block: torch.Tensor | None, pids: list[int]) -> int:
+        """Watches a new (weak-referenceable) iterator's workers until it is collected."""
+        with self._lock:
+            self._fold_collected()
+            self._ids += 1
+            key = self._ids
+            self._live[key] = _Generation(block, [p for p in pids if p])
+            self._next = 0.0
+            reading = oom_watch().read()  # the count before these workers can be killed
+            for pid in self._live[key].pids:
+                self._seen[pid] = reading
+        weakref.finalize(iterator, self._collected.append, key)  # no lock: see the docstring
+        return key
+
+    def stop(self, key: int) -> None:
+        """Its workers ended on purpose (the end of a non-persistent epoch): stop watching."""
+        with self._lock:
+            self._fold_collected()
+            gen = self._live.get(key)
+            if gen is not None:
+                gen.watched = False
+                for pid in gen.all_pids():
+                    self._liveness.forget(pid)
+                    self.proc.end(pid)
+            self._next = 0.0  # the next read counts again: these workers are gone now
+
+    def _fold_collected(self) -> None:
+        """Folds the generations whose iterator is gone into the totals (lock held)."""
+        while self._collected:
+            gen = self._live.pop(self._collected.popleft(), None)
+            if gen is None:
+                continue
+            self._next = 0.0  # its workers are gone: the next read counts again
+            for pid in gen.all_pids():
+                self._liveness.forget(pid)
+                self._done.discard(pid)
+                self.proc.end(pid)
+            if gen.block is not None:
+                self._totals.add(gen.block)
+
+    # --- read by the collector ---------------------------------------------------------
+    def refresh(self, now: float, on_error: bool = False,
+                exits: Callable[[int], Exit | None] | None = None, batches: int = 0,
+                named: dict[int, int | None] | None = None, force: bool = False) -> None:
+        """Re-counts live workers and reads their /proc figures, at most once per
+        min_interval unless on_error (the loader raised: a worker gone now with no exit
+        to read was lost). exits: how a dead worker ended, where torch has reaped it;
+        batches: the loader's count so far (the workers' time counts while it grows);
+        named: the workers torch's exception says died (pid -> signal, None for "exited
+        unexpectedly"), lost whatever their exit code. force: read now, whatever the
+        interval (the tuner's samples at an epoch's first batch and end)."""
+        with self._lock:
+            if force:
+                self._next = 0.0
+            self._refresh(now, on_error, exits, batches, named or {})
+            for pid, signo in (named or {}).items():  # workers we could not see
+                if pid not in self._done:
+                    self.lost += 1
+                    self._died(pid, (signo, None) if signo is not None else (None, 0), True)
+                    self._end(pid)
+        self._deliver()
+
+    def _refresh(self, now: float, on_error: bool,
+                 exits: Callable[[int], Exit | None] | None, batches: int,
+                 named: dict[int, int | None]) -> None:
+        """refresh(), the lock held."""
+        self._fold_collected()
+        if not on_error and now < self._next:
+            return
+        self._next = now + self.min_interval
+        watched = [g for g in self._live.values() if g.watched]
+        if self.blind and not watched:
+            self.active = None
+            return
+        known: set[int] = set().union(*(g.all_pids() for g in watched))
+        if watched and not known:
+            self.active = None  # workers exist, but none can be seen yet
+            return
+        alive: list[int] = []
+        reading = oom_watch().read()
+        for pid in sorted(known - self._done):
+            if self._alive(pid):
+                alive.append(pid)
+                self._seen[pid] = reading
+                continue
+            how = exit_of(pid) or (exits(pid) if exits is not None else None)
+            if how is None and named.get(pid) is not None:  # reaped: torch's word for it
+                how = (named[pid], None)
+            if how is not None and (how != (None, 0) or pid in named):
+                self.lost += 1
+                self._died(pid, how, unexpected=pid in named)
+            elif how is None and on_error:  # gone when the loader raised: lost, cause unknown
+                self.lost += 1
+            if how is not None or on_error:
+                self._end(pid)
+        if not on_error:
+            self.proc.observe(alive, now, active=batches != self._batches_seen,
+                              room=process_memory_available)
+            self._batches_seen = batches
+        self.active = len(alive)
+
+    def _end(self, pid: int) -> None:
+        """A worker is done with, lost or not: never counted again (lock held)."""
+        self._done.add(pid)
+        self._liveness.forget(pid)
+        self._seen.pop(pid, None)
+        self.proc.end(pid)
+
+    def _died(self, pid: int, how: Exit, unexpected: bool = False) -> None:
+        """A worker that ended badly: its cause, from its exit (lock held); unexpected:
+        torch says it exited unexpectedly, whatever its exit code."""
+        signo, code = how
+        oom = oom_watch().claim(self._seen.get(pid)) if signo == signal.SIGKILL else False
+        cause = cause_of_exit(signo, code, oom, signo == signal.SIGBUS and _shm_full())
+        if cause is None and unexpected:
+            cause = CRASH
+        if cause is None:
+            return  # a SIGKILL the OOM-kill count cannot tell about: no cause claimed
+        seen = f"exit code {code}" if signo is None else f"signal {_signal_name(signo)}"
+        if oom:
+            seen += "; the kernel's OOM-kill count rose"
+        self.failures[cause] += 1
+        self._unreported.append((cause, pid, seen))
+
+    def fail(self, cause: str, pid: int | None = None, seen: str = "") -> None:
+        """Counts one failure and tells `report` of it (lock not held)."""
+        with self._lock:
+            self.failures[cause] += 1
+            self._unreported.append((cause, pid, seen))
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Tells `report` of the failures counted since (outside the lock: it reads us)."""
+        with self._lock:
+            pending, self._unreported = self._unreported, []
+        for failure in pending:
+            if self.report is not None:
+                try:
+                    self.report(*failure)
+                except Exception as e:  # a report must never break bookkeeping...
+                    if is_torch_worker_error(e):
+                        raise  # ...nor swallow torch's word that a worker died
+
+    def proc_figures(self) -> Figures | None:
+        """The workers' /proc figures (procstat.Figures); None where unknown."""
+        with self._lock:
+            return self.proc.figures()
+
+    def _alive(self, pid: int) -> bool:
+        return self._liveness.alive(pid)
+
+    def _current(self) -> _Totals:
+        """Folded totals plus the live generations' blocks (lock held)."""
+        self._fold_collected()
+        totals = self._totals.copy()
+        for g in self._live.values():
+            if g.block is not None:
+                totals.add(g.block)
+        return totals
+
+    def per_worker(self) -> list[tuple[int, int, int | None, int]]:
+        """(worker, cpu_ns, samples, heartbeat_ns) per worker index that has reported;
+        samples None where some batch of that worker could not be counted."""
+        with self._lock:
+            t = self._current()
+        # A worker that has not finished a batch yet has no figures: none are made up.
+        return [(i, int(t.cpu[i]), None if t.uncounted[i] else int(t.samples[i]),
+                 int(t.beat[i])) for i in range(t.width) if t.beat[i]]
+
+    def miscounted(self) -> bool:
+        """Whether a worker found the main process's sample count of a batch wrong."""
+        with self._lock:
+            self._fold_collected()
+            return bool(self._totals.miscounted.any()) or any(
+                bool(g.block[:, MISCOUNTED].any()) for g in self._live.values()
+                if g.block is not None)
