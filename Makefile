@@ -6,11 +6,11 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 CODE := dataloader_exporter core exporter diagnosis instrument dashboards
 # A second venv without torch (the dashboards and dev extras alone), where the tests of
-# the exporter, the doctor and the dashboards run: tests/conftest.py's TORCH_FREE modules.
+# the exporter, the doctor and the dashboards run: the test modules not marked torch.
 NOTORCH ?= .venv-notorch
 NOTORCH_STAMP := $(NOTORCH)/.installed
 
-.PHONY: demo test lint typecheck unit notorch quick prometheus bench clean
+.PHONY: demo test lint typecheck unit notorch quick prometheus bench clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,7 +41,7 @@ demo: $(STAMP)
 	$(VENV)/bin/dataloader-exporter demo $(DEMO_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check $(CODE) tests bench examples
+	$(VENV)/bin/ruff check $(CODE) tests bench examples tools
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy dataloader_exporter
@@ -50,7 +50,7 @@ typecheck: $(STAMP)
 unit: $(STAMP) prometheus
 	$(VENV)/bin/pytest -m torch
 
-# The torch-free tests where torch cannot be imported: a TORCH_FREE module (or a helper it
+# The torch-free tests where torch cannot be imported: a module not marked torch (or a helper it
 # uses) that imports torch fails its collection.
 notorch: $(NOTORCH_STAMP) prometheus
 	$(NOTORCH)/bin/pytest -m "not torch"
@@ -73,3 +73,13 @@ clean:
 .PHONY: dashboards
 dashboards: $(STAMP)
 	$(PY) -m dataloader_exporter dashboards --out deploy
+
+# The docs site (mkdocs.yml, docs/) into site/; --strict fails on a broken link or anchor.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+# Redraw docs/pictures/ from a real run (Prometheus, the demo, a fake-NVML exporter), about
+# 2.5 minutes; tests/test_pictures.py fails when a panel changed and they were not redrawn.
+.PHONY: pictures
+pictures: $(STAMP) prometheus
+	$(PY) tools/draw_dashboards.py

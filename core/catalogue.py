@@ -1,7 +1,7 @@
 """The metric catalogue: every metric this project exports, as data.
 
-Standard library only. Instrumentation, collectors, dashboards, alerts, the README
-table and the tests read names, types, help, units, labels and buckets from here, so
+Standard library only. Instrumentation, collectors, dashboards, alerts, the docs'
+metric table and the tests read names, types, help, units, labels and buckets from here, so
 no metric name is typed as a string literal anywhere else (like dcgm-exporter's
 counters file).
 """
@@ -122,7 +122,7 @@ WORKERS_LOST = _m(
     "Worker processes that died while the loader still needed them (killed, crashed).",
     "", LOADER_LABELS, TRAINER)
 # CPU time, not wall time: a worker's wait for I/O cannot be timed without wrapping the
-# dataset, which torch and users inspect (instrument/workers.py), so it is not guessed.
+# dataset, which torch and users inspect (instrument/hotpath_workerblock.py), so it is not guessed.
 WORKER_CPU = _m(
     "dataloader_worker_cpu_seconds_total", COUNTER,
     "CPU time (user and system) each worker process has used, start-up included, as of "
@@ -145,7 +145,7 @@ TRANSFER_BYTES = _m(
     "dataloader_transfer_bytes_total", COUNTER,
     "Tensor bytes moved host to device by to_device.",
     "bytes", LOADER_LABELS, TRAINER)
-# The loader tuner (opt-in, core/tuner.py): present only for a loader being tuned.
+# The loader tuner (opt-in, core/tuner_rules.py): present only for a loader being tuned.
 TUNER_CHANGES = _m(
     "dataloader_tuner_changes_total", COUNTER,
     "Changes the loader tuner made to a setting (num_workers, prefetch_factor), by reason "
@@ -203,7 +203,7 @@ WORKER_MAX_RSS = _m(
     "dataloader_worker_max_rss_bytes", GAUGE,
     "The largest resident memory any worker of the loader has had (a high-water mark).",
     "bytes", LOADER_LABELS, TRAINER)
-# Why a worker failed, as observed: never a cause that was not seen (instrument/failures.py).
+# Why a worker failed, as observed: never a cause that was not seen (instrument/failure_causes.py).
 FAILURE_CAUSES: tuple[str, ...] = ("oom", "killed", "crash", "shm", "error")
 FAILURES = _m(
     "dataloader_failures_total", COUNTER,
@@ -314,7 +314,11 @@ def series_names(metric: Metric) -> tuple[str, ...]:
 
 
 def markdown_table(source: str | None = None) -> str:
-    """The README's metric table, generated so it cannot drift from the code."""
+    """The metric reference table of docs/metrics.md (all metrics, or one source's).
+
+    Generated so the docs cannot drift from the catalogue; tests/test_catalogue.py fails
+    when docs/metrics.md does not hold it.
+    """
     rows = ["| name | type | labels | meaning |", "|---|---|---|---|"]
     for m in ALL:
         if source is None or m.source == source:
@@ -324,4 +328,5 @@ def markdown_table(source: str | None = None) -> str:
 
 
 if __name__ == "__main__":
+    # The table to paste between docs/metrics.md's METRIC TABLE markers.
     print(markdown_table(), end="")

@@ -1,4 +1,4 @@
-"""The catalogue is the one source of metric names; the README's table comes from it."""
+"""The catalogue is the one source of metric names; the docs' metric table comes from it."""
 
 from __future__ import annotations
 
@@ -37,7 +37,11 @@ def test_no_metric_name_is_typed_outside_the_catalogue() -> None:
             assert not found, f"{path}: {found}"
 
 
-def test_readme_metric_table_is_the_generated_one() -> None:
-    readme = (REPO / "README.md").read_text()
-    assert cat.markdown_table() in readme, \
-        "regenerate with: python -m dataloader_exporter.core.catalogue"
+def test_the_docs_metric_table_is_the_generated_one() -> None:
+    text = (REPO / "docs" / "metrics.md").read_text()
+    found = re.search(r"<!-- BEGIN METRIC TABLE[^\n]*-->\n(.*?)<!-- END METRIC TABLE -->",
+                      text, re.S)
+    assert found, "docs/metrics.md lost its METRIC TABLE markers"
+    assert found.group(1) == cat.markdown_table(), (
+        "docs/metrics.md's table is out of date; put the output of "
+        "`python -m dataloader_exporter.core.catalogue` between its markers")
