@@ -153,11 +153,11 @@ class WrappedLoader:
                 return WrappedLoader(result, self._instruments.name, None, None, None,
                                      instruments=self._instruments)
             if _loader_like(result):
+                own = self._instruments.name
                 envsettings.once.problem(
-                    f"chain:{self._instruments.name}:{name}", "dataloader %r: %s.%s() returned a %s, "
+                    f"chain:{own}:{name}", "dataloader %r: %s.%s() returned a %s, "
                     "which is not measured: pass it to dataloader_exporter.wrap() to measure it",
-                    log_name(self._instruments.name), type(self.loader).__name__, name,
-                    type(result).__name__)
+                    log_name(own), type(self.loader).__name__, name, type(result).__name__)
             return result
 
         return functools.wraps(method)(call)
