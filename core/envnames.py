@@ -10,3 +10,4 @@ ENV_PREFIX = "DATALOADER_EXPORTER_"
 ENV_DIR = ENV_PREFIX + "DIR"  # the snapshot directory the trainer writes, the sidecar reads
 ENV_SETTINGS = ENV_PREFIX + "SETTINGS"  # loader settings applied at construction
 ENV_AUTO = ENV_PREFIX + "AUTO"  # zero-code mode: instrument every DataLoader of a process
+ENV_SERIES = ENV_PREFIX + "SERIES"  # the trainer's series per loader and rank: full or job

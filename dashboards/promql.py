@@ -62,8 +62,11 @@ def stall_share(matchers: str, window: str, by: str | None = None) -> str:
 
 
 def quantile(q: float, metric: cat.Metric, matchers: str, window: str, **labels: str) -> str:
-    """The q-quantile of a histogram per series, from its buckets' rates."""
-    return f"histogram_quantile({q}, {rate(sel(metric, matchers, '_bucket', **labels), window)})"
+    """The q-quantile of a histogram per series, from its buckets' rates; a series with
+    no observation in the window, or with the +Inf bucket alone (the large-job setting),
+    drops out instead of showing NaN."""
+    buckets = rate(sel(metric, matchers, "_bucket", **labels), window)
+    return f"(histogram_quantile({q}, {buckets}) >= 0)"
 
 
 def mean(metric: cat.Metric, matchers: str, window: str, **labels: str) -> str:

@@ -119,9 +119,10 @@ def _get(series: Series, name: str, **labels: str) -> float | None:
 
 
 def quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
-    """histogram_quantile over (le, cumulative count) pairs, interpolating linearly."""
+    """histogram_quantile over (le, cumulative count) pairs, interpolating linearly; None
+    without observations or without a finite bucket (the large-job setting's +Inf alone)."""
     pts = sorted(buckets)
-    if not pts or pts[-1][1] <= 0:
+    if len(pts) < 2 or pts[-1][1] <= 0:
         return None
     rank = q * pts[-1][1]
     prev_le, prev_count = 0.0, 0.0

@@ -10,12 +10,20 @@ for the sidecar exporter, and/or are served in-process (port= or dataloader_expo
 
 The per-batch code lives in the hotpath_*.py modules; iter_start.py builds the iterator
 the loop takes; instruments.py holds what a loader does less often than once a batch.
+Importing it loads what building a loader and taking its batches needs; prometheus_client,
+the snapshot writer, the tuner and the HTTP server are loaded on first use.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from .hub import default_registry, hub_for
 from .loader import DataLoader, WrappedLoader, to_device, wrap
 from .serve import serve, shutdown
-from .snapshot_writer import SnapshotWriter
+
+if TYPE_CHECKING:
+    from .snapshot_writer import SnapshotWriter
 
 
 def write_snapshots(directory: str, interval: float = 1.0) -> SnapshotWriter:

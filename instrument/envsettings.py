@@ -25,6 +25,7 @@ from dataloader_exporter.core.settings import (
     ENV_SETTINGS,
     NEEDS_WORKERS,
     SETTINGS,
+    TUNABLE,
     Setting,
     for_loader,
     log_name,
@@ -48,6 +49,20 @@ class Pending:
 
     name: str
     keys: tuple[str, ...]
+
+
+def knobs_of(tune: bool | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """instrument.DataLoader's ``tune=``: True for both settings, or their names."""
+    if tune is True:
+        return TUNABLE
+    if tune is False:
+        return ()
+    names = tuple(tune)
+    unknown = [n for n in names if n not in TUNABLE]
+    if unknown or isinstance(tune, str):
+        raise ValueError(f"tune: expected True, False or names among num_workers and "
+                         f"prefetch_factor, got {tune!r}")
+    return names
 
 
 def from_env() -> tuple[Setting, ...]:

@@ -5,7 +5,10 @@ recorders (keyed by loader name and rank), the one trainer collector over them, 
 snapshot writers (one thread per directory), the HTTP servers (one per address) and
 the GPU, /dev/shm and host collectors (attached once, for in-process serving). Snapshot
 files carry only the trainer's metrics: a sidecar reads the system metrics itself.
-Nothing here runs at import time or touches prometheus_client's global REGISTRY.
+Nothing here runs at import time or touches prometheus_client's global REGISTRY; the
+default hub's registry, and prometheus_client with it, is built when first read (a
+snapshot writer, a server, default_registry()), so building a loader and taking its
+batches does not import it.
 """
 
 from __future__ import annotations
@@ -17,19 +20,19 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry
-
 from dataloader_exporter.core.facts.shm import SHM_PATH
 from dataloader_exporter.core.logonce import LogOnce
 
-if TYPE_CHECKING:  # the server is loaded by serve() only: the drop-in does not pay for it
+if TYPE_CHECKING:  # loaded on first use only: the drop-in does not pay for them
+    from prometheus_client import CollectorRegistry
+
     from dataloader_exporter.exporter.collectors.supervisor import Supervisor
     from dataloader_exporter.exporter.web.server import ServerHandle
 
+    from .snapshot_writer import SnapshotWriter
+
 from .hotpath_recorder import LoaderRecorder
-from .loader_collector import LoaderCollector
 from .rank import local_rank
-from .snapshot_writer import SnapshotWriter
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
@@ -44,17 +47,51 @@ class Hub:
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
         self._recorders: dict[tuple[str, str], LoaderRecorder] = {}
         self._lock = threading.Lock()
+        self._bind_lock = threading.Lock()
         self._writers: dict[str, SnapshotWriter] = {}
         self._servers: dict[tuple[str, int], ServerHandle] = {}
         self._system: Supervisor | None = None
+        self._registry: CollectorRegistry | None = None
+        self._trainer_only: CollectorRegistry | None = None
+        if registry is not None:  # a caller's registry: bound now, so a second Hub raises
+            self._bind(registry)
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The registry the trainer collector is registered in (built on first read)."""
+        registry = self._registry
+        if registry is None:
+            with self._bind_lock:
+                if self._registry is None:
+                    from prometheus_client import CollectorRegistry
+
+                    self._bind(CollectorRegistry())
+                registry = self._registry
+            assert registry is not None
+        return registry
+
+    def _snapshot_registry(self) -> CollectorRegistry:
+        """What snapshot files carry: the trainer collector alone."""
+        if self._trainer_only is None:
+            self.registry  # noqa: B018  (binds it)
+        assert self._trainer_only is not None
+        return self._trainer_only
+
+    def _bind(self, registry: CollectorRegistry) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from .loader_collector import LoaderCollector
+
         trainer = LoaderCollector(self.recorders)
-        self.registry.register(trainer)
+        registry.register(trainer)
         # What snapshot files carry: the trainer collector alone.
-        self._trainer_only = CollectorRegistry()
-        self._trainer_only.register(trainer)
+        trainer_only = CollectorRegistry()
+        trainer_only.register(trainer)
+        setattr(registry, _HUB_ATTR, self)  # a registry carries its hub (a GC-able cycle)
+        self._trainer_only = trainer_only
+        self._registry = registry
 
     def recorders(self) -> Iterable[LoaderRecorder]:
         with self._lock:
@@ -71,11 +108,14 @@ class Hub:
     def write_snapshots(self, directory: str, interval: float = SNAPSHOT_INTERVAL
                         ) -> SnapshotWriter:
         """Starts (once per directory) the thread that writes this hub's snapshots."""
+        from .snapshot_writer import SnapshotWriter
+
         key = os.path.abspath(directory)
+        trainer_only = self._snapshot_registry()
         with self._lock:
             writer = self._writers.get(key)
             if writer is None:
-                writer = self._writers[key] = SnapshotWriter(self._trainer_only, key, interval,
+                writer = self._writers[key] = SnapshotWriter(trainer_only, key, interval,
                                                              on_exit=self.exiting)
                 writer.start()
             return writer
@@ -119,6 +159,7 @@ class Hub:
         from dataloader_exporter.exporter.web.server import serve as http_serve
 
         port = rank_port(port)
+        registry = self.registry
         with self._lock:
             handle = self._servers.get((addr, port)) if port else None
             if handle is not None and not handle.closed and (
@@ -132,10 +173,10 @@ class Hub:
                     from dataloader_exporter.exporter.web import webconfig
 
                     web = webconfig.load(web_config_file)
-                handle = http_serve(self.registry, addr, port, web, IN_PROCESS)
+                handle = http_serve(registry, addr, port, web, IN_PROCESS)
                 self._servers[(addr, handle.port)] = handle
             if system_metrics and self._system is None:
-                self._system = attach(self.registry, system_sources(shm_path))
+                self._system = attach(registry, system_sources(shm_path))
             return handle
 
     def close(self) -> None:
@@ -166,7 +207,7 @@ def rank_port(port: int) -> int:
 
 _default: Hub | None = None
 _default_lock = threading.Lock()
-_HUB_ATTR = "_dataloader_exporter_hub"  # a registry carries its hub (a GC-able cycle)
+_HUB_ATTR = "_dataloader_exporter_hub"  # set on a registry by Hub._bind
 
 
 def hub_for(registry: CollectorRegistry | None = None) -> Hub:
@@ -176,12 +217,10 @@ def hub_for(registry: CollectorRegistry | None = None) -> Hub:
         if registry is None:
             if _default is None:
                 _default = Hub()
-                setattr(_default.registry, _HUB_ATTR, _default)
             return _default
         hub = getattr(registry, _HUB_ATTR, None)
         if not isinstance(hub, Hub):
             hub = Hub(registry)
-            setattr(registry, _HUB_ATTR, hub)
         return hub
 
 

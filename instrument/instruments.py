@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,7 +25,9 @@ from .hotpath_transfer import timed_to_device
 from .hub import Hub, hub_for
 from .preflight import LoaderConfig, Preflight
 from .rank import current_rank, local_world_size
-from .tuner_loop import LoaderTuning
+
+if TYPE_CHECKING:  # the tuner is loaded for a tuned loader only
+    from .tuner_loop import LoaderTuning
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
@@ -115,6 +117,8 @@ class Instruments:
                     type(loader).__qualname__)
                 return None
             try:
+                from .tuner_loop import LoaderTuning
+
                 self.tuning = LoaderTuning(self.name, knobs, loader, self.rec)
             except Exception:  # the tuner must never stop training
                 log.warning("dataloader %r: the tuner cannot start; the loader keeps its "

@@ -24,7 +24,6 @@ from .hotpath_iterator import Counter, QuietIterator, TimedIterator
 from .hotpath_workerblock import TimedCollate, new_block
 from .instruments import Instruments
 from .torch_originals import TORCH_ITER, lazy
-from .tuner_order import fresh_seed
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
@@ -85,6 +84,8 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     undo = instruments.tuning.undo if instruments.tuning is not None else None
     torch_iter_as_is = torch_iter
     if seed is not None:  # the tuner shut the persistent pool down: a new one, same order
+        from .tuner_order import fresh_seed
+
         torch_iter = fresh_seed(torch_iter, seed)
     try:
         plan = _Plan(loader, instruments, quiet)

@@ -28,7 +28,6 @@ from .hotpath_iterator import TimedIterator
 from .instruments import Instruments
 from .iter_start import instrumented_iter
 from .torch_originals import TORCH_ITER
-from .tuner_loop import knobs_of
 from .zerocode_holders import held_loaders
 
 T_co = TypeVar("T_co", covariant=True)
@@ -52,7 +51,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                  name: str = "default", metrics_dir: str | None = None,
                  port: int | None = None, registry: Any = None,
                  tune: bool | tuple[str, ...] = False, **kwargs: Any) -> None:
-        knobs = knobs_of(tune)  # a bad value fails here, as torch's own arguments do
+        knobs = envsettings.knobs_of(tune)  # a bad value fails here, as torch's own arguments do
         # $DATALOADER_EXPORTER_SETTINGS first: a bad line fails here, before any work.
         args, kwargs = zerocode_hooks.apply_settings(name, (dataset, *args), kwargs)
         super().__init__(*args, **kwargs)

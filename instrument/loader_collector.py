@@ -1,10 +1,18 @@
 """The prometheus_client Collector over a process's loader recorders: the trainer metrics
 of the catalogue, built fresh at each collection (a snapshot write or a scrape), after the
 recorders have binned their raw durations (LoaderRecorder.flush). Off the hot path.
+
+Nothing that was not measured is exported: a histogram appears with its first observation
+(no transfer histogram for a loader that never called to_device), and the transfer byte
+counter with the first transfer. $DATALOADER_EXPORTER_SERIES=job (core/seriesmode.py)
+narrows each (loader, rank) to the job-level series, its histograms to their +Inf bucket;
+the recorders keep every bucket either way (the loader tuner reads them).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -12,18 +20,30 @@ from prometheus_client.metrics_core import Metric as Family
 from prometheus_client.registry import Collector
 
 from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.core import seriesmode
 from dataloader_exporter.exporter.collectors.base import family
 
 from .hotpath_recorder import LoaderRecorder
 
 TRAINER_METRICS: tuple[cat.Metric, ...] = tuple(m for m in cat.ALL if m.source == cat.TRAINER)
+log = logging.getLogger("dataloader_exporter.instrument")
 
 
 class LoaderCollector(Collector):
-    """Yields the trainer metrics of every recorder in a process's registry."""
+    """Yields the trainer metrics of every recorder in a process's registry, all of them
+    or the job-level ones (series: seriesmode.FULL or JOB; None: $DATALOADER_EXPORTER_SERIES,
+    a bad value logged, naming the variable and its values, and taken as FULL)."""
 
-    def __init__(self, recorders: Callable[[], Iterable[LoaderRecorder]]) -> None:
+    def __init__(self, recorders: Callable[[], Iterable[LoaderRecorder]],
+                 series: str | None = None) -> None:
         self._recorders = recorders
+        if series is None:
+            series, complaint = seriesmode.series_mode(os.environ)
+            if complaint:
+                log.warning("dataloader-exporter: %s", complaint)
+        if series not in seriesmode.SERIES_MODES:
+            raise ValueError(f"series: expected one of {seriesmode.SERIES_MODES}, not {series!r}")
+        self.series = series
 
     def describe(self) -> Iterator[Family]:
         """The families collect() yields, so a registry refuses a second trainer collector."""
@@ -34,17 +54,29 @@ class LoaderCollector(Collector):
         recs = list(self._recorders())
         for r in recs:
             r.flush()
-        yield from _families(recs)
+        if self.series == seriesmode.FULL:
+            yield from _families(recs)
+            return
+        for f in _families(recs, job=True):
+            if f.name not in _JOB_FAMILIES:
+                f.samples = []  # every family still described: readers expect them all
+            yield f
 
 
-def _families(recs: list[LoaderRecorder]) -> Iterator[Family]:
+_JOB_FAMILIES = frozenset(m.family for m in TRAINER_METRICS if m.name in seriesmode.JOB_METRICS)
+
+
+def _families(recs: list[LoaderRecorder], job: bool = False) -> Iterator[Family]:
+    """The trainer families (job: the histograms as their +Inf bucket, fetch phase only)."""
     time_f, step_f, first_f = family(cat.TIME), family(cat.STEP), family(cat.FIRST_BATCH)
+    phases = seriesmode.JOB_PHASES if job else (cat.PHASE_FETCH, cat.PHASE_TRANSFER)
     for r in recs:
         with r.lock:  # a concurrent flush must not tear a histogram
             for phase, h in ((cat.PHASE_FETCH, r.fetch_h), (cat.PHASE_TRANSFER, r.transfer_h)):
-                time_f.add_metric([r.name, r.rank, phase], h.buckets(), h.sum)
-            step_f.add_metric([r.name, r.rank], r.step_h.buckets(), r.step_h.sum)
-            first_f.add_metric([r.name, r.rank], r.first_h.buckets(), r.first_h.sum)
+                if phase in phases:
+                    _histogram(time_f, [r.name, r.rank, phase], h.buckets(), h.sum, job)
+            _histogram(step_f, [r.name, r.rank], r.step_h.buckets(), r.step_h.sum, job)
+            _histogram(first_f, [r.name, r.rank], r.first_h.buckets(), r.first_h.sum, job)
     yield time_f
     yield step_f
     yield first_f
@@ -52,7 +84,7 @@ def _families(recs: list[LoaderRecorder]) -> Iterator[Family]:
         (cat.BATCHES, lambda r: r.batches),
         (cat.SAMPLES, lambda r: r.samples if r.samples_known else None),
         (cat.EPOCHS, lambda r: r.epochs),
-        (cat.TRANSFER_BYTES, lambda r: r.transfer_bytes),
+        (cat.TRANSFER_BYTES, lambda r: r.transfer_bytes if _transferred(r) else None),
         (cat.LAST_BATCH, LoaderRecorder.last_batch_unix),
         (cat.EXITED, lambda r: r.exited_at),
         (cat.BATCH_BYTES, lambda r: r.batch_bytes if r.batch_bytes >= 0 else None),
@@ -125,6 +157,20 @@ def _proc_families(recs: list[LoaderRecorder]) -> Iterator[Family]:
             faults_f.add_metric(lr, fig.major_faults)
         max_f.add_metric(lr, fig.max_rss_bytes)
     yield from (time_f, read_f, faults_f, memory_f, max_f, fail_f)
+
+
+def _histogram(f: Any, labels: list[str], buckets: list[tuple[str, float]], total: float,
+               job: bool) -> None:
+    """One histogram child, unless it holds no observation (nothing measured: left out);
+    job: its +Inf bucket alone."""
+    if buckets[-1][1] <= 0:
+        return
+    f.add_metric(labels, buckets[-1:] if job else buckets, total)
+
+
+def _transferred(r: LoaderRecorder) -> bool:
+    """Whether to_device moved or timed a batch of the loader (its byte count is known)."""
+    return r.transfer_bytes > 0 or r.transfer_h.counts.sum() > 0 or bool(r.pending_events)
 
 
 def _int(value: str | None) -> int | None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry
-
 from dataloader_exporter.core.facts.shm import SHM_PATH
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from dataloader_exporter.exporter.web.server import ServerHandle
 
 from .hub import hub_for

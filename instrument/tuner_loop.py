@@ -49,20 +49,6 @@ log = logging.getLogger("dataloader_exporter.instrument")
 LONG_EPOCH = 600.0  # seconds: an epoch running longer is judged, as advice only
 
 
-def knobs_of(tune: bool | tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """instrument.DataLoader's ``tune=``: True for both settings, or their names."""
-    if tune is True:
-        return ("num_workers", "prefetch_factor")
-    if tune is False:
-        return ()
-    names = tuple(tune)
-    unknown = [n for n in names if n not in ("num_workers", "prefetch_factor")]
-    if unknown or isinstance(tune, str):
-        raise ValueError(f"tune: expected True, False or names among num_workers and "
-                         f"prefetch_factor, got {tune!r}")
-    return names
-
-
 def _text(s: Setting) -> str:
     return f"num_workers={s.workers}, prefetch_factor={s.prefetch}"
 

@@ -233,8 +233,9 @@ class WorkerTracker:
             self.active = None  # workers exist, but none can be seen yet
             return
         alive: list[int] = []
-        reading = oom_watch().read()
-        for pid in sorted(known - self._done):
+        pids = sorted(known - self._done)
+        reading = oom_watch().read() if pids else None  # a file read: only for workers
+        for pid in pids:
             if self._alive(pid):
                 alive.append(pid)
                 self._seen[pid] = reading

@@ -282,6 +282,50 @@ def test_the_drop_in_loads_neither_the_server_nor_the_doctor() -> None:
     assert not new & {"asyncio", "ssl", "yaml", "bcrypt", "pynvml", "psutil"}, sorted(new)
 
 
+# What `import dataloader_exporter; dataloader_exporter.DataLoader` may load after torch,
+# building a loader and taking its first batch included: the hot path and what it needs
+# to start. prometheus_client, the snapshot writer, the tuner and serving are loaded on
+# first use (bench/import_cost.py measures the import).
+DROP_IN_MAY_LOAD = {f"{NS}.{m}" if m else NS for m in (
+    "", "core", "core.advisor", "core.bands", "core.catalogue", "core.envnames", "core.facts",
+    "core.facts.cgroup", "core.facts.cores", "core.facts.memory", "core.facts.shm",
+    "core.logonce", "core.problems", "core.settings", "instrument", "instrument.compat",
+    "instrument.envsettings", "instrument.failure_causes", "instrument.hotpath_batch",
+    "instrument.hotpath_iterator", "instrument.hotpath_recorder", "instrument.hotpath_transfer",
+    "instrument.hotpath_workerblock", "instrument.hub", "instrument.instruments",
+    "instrument.iter_start", "instrument.loader", "instrument.naming", "instrument.preflight",
+    "instrument.procstat", "instrument.rank", "instrument.rank_gpu", "instrument.serve",
+    "instrument.torch_originals", "instrument.worker_tracker", "instrument.zerocode_holders",
+    "instrument.zerocode_hooks", "instrument.zerocode_registry")}
+LOADED_ON_FIRST_USE = ("prometheus_client", "http", "wsgiref", "socketserver", "asyncio",
+                       f"{NS}.exporter", f"{NS}.diagnosis", f"{NS}.dashboards",
+                       f"{NS}.instrument.tuner_", f"{NS}.instrument.snapshot_writer",
+                       f"{NS}.instrument.loader_collector", f"{NS}.core.tuner_rules")
+
+
+@pytest.mark.torch  # it builds a loader and takes a batch
+@pytest.mark.slow
+def test_the_drop_in_and_its_first_batch_load_only_what_the_hot_path_needs() -> None:
+    """Measured in a process that imports torch first; the modules torch itself loads for
+    a first batch are torch's, not the drop-in's."""
+    code = ("import sys, torch, torch.utils.data; before = set(sys.modules); "
+            "import dataloader_exporter; L = dataloader_exporter.DataLoader; "
+            "ds = torch.utils.data.TensorDataset(torch.arange(8.0)); "
+            "batch = next(iter(L(ds, batch_size=2))); "
+            "print(sorted(set(sys.modules) - before))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    new = set(eval(result.stdout))
+    ours_loaded = {m for m in new if m.split(".")[0] == NS}
+    assert ours_loaded <= DROP_IN_MAY_LOAD, sorted(ours_loaded - DROP_IN_MAY_LOAD)
+    assert f"{NS}.instrument.hotpath_iterator" in ours_loaded
+    early = sorted(m for m in new if m.startswith(LOADED_ON_FIRST_USE))
+    assert not early, early
+    others = sorted(m for m in new if m.split(".")[0] not in (NS, "torch", "numpy"))
+    assert not others, others
+
+
 def test_no_module_name_repeats_across_the_packages() -> None:
     """A module's file name says what it holds wherever it is seen (a traceback, an editor
     tab, a log line), so no two modules of ours share one; only __init__.py repeats."""

@@ -12,12 +12,13 @@ writes:
   family (no ``_created`` samples either: the writer's families carry no creation time);
 - on each sample exactly the catalogue's label names (plus ``le`` on buckets), no
   series twice, counters finite and >= 0;
-- histograms whole: per label set the catalogue's buckets in order, then ``+Inf``,
-  ``_count`` and ``_sum``; bucket counts whole numbers, cumulative, ``_count`` equal to
-  the ``+Inf`` bucket, ``_sum`` finite and >= 0;
-- the writer's invariants per (loader, rank): the latency histograms (both phases of
-  dataloader_time_seconds) and the batch, sample, epoch, transfer and lost-worker
-  counters are there for every loader the file names, the three per-worker families
+- histograms whole: per label set the catalogue's buckets in order (or none: the
+  large-job setting, core/seriesmode.py), then ``+Inf``, ``_count`` and ``_sum``; bucket
+  counts whole numbers, cumulative, ``_count`` equal to the ``+Inf`` bucket, ``_sum``
+  finite and >= 0;
+- the writer's invariants per (loader, rank): the batch, epoch and lost-worker counters
+  are there for every loader the file names (a histogram only once it holds an
+  observation, the transfer counter once to_device ran), the three per-worker families
   name the same workers, and a loader that started an epoch has its dataloader_info.
   With every family required, these make a file cut at any line boundary invalid: the
   writer's last family is dataloader_info, and a cut inside it leaves a loader that
@@ -61,9 +62,9 @@ _CHUNK = 1 << 20
 _TRAINER: dict[str, cat.Metric] = {m.name: m for m in cat.ALL if m.source == cat.TRAINER}
 # What instrument/loader_collector.py writes for every (loader, rank) it knows.
 # (Not samples: a count that cannot be known is left out, instrument/hotpath_batch.py.)
-_ALWAYS = frozenset(m.name for m in (cat.TIME, cat.STEP, cat.FIRST_BATCH, cat.BATCHES,
-                                     cat.EPOCHS, cat.TRANSFER_BYTES, cat.WORKERS_LOST))
+_ALWAYS = frozenset(m.name for m in (cat.BATCHES, cat.EPOCHS, cat.WORKERS_LOST))
 _PHASES = frozenset((cat.PHASE_FETCH, cat.PHASE_TRANSFER))
+_INF_ONLY = ("+Inf",)
 _WORKER_FAMILIES = (cat.WORKER_CPU.name, cat.WORKER_SAMPLES.name, cat.WORKER_HEARTBEAT.name)
 
 
@@ -222,15 +223,20 @@ def _simple(shape: _Shape, fam: ParsedFamily, owners: dict[Owner, dict[str, list
 
 def _histogram(shape: _Shape, fam: ParsedFamily, owners: dict[Owner, dict[str, list[Sample]]],
                lines: dict[Owner, dict[str, list[str]]]) -> None:
-    metric, names, bounds = shape.metric, shape.names, shape.bounds
-    width, with_le, inf = len(bounds) + 2, len(names) + 1, math.inf
+    metric, names = shape.metric, shape.names
+    with_le, inf = len(names) + 1, math.inf
     bucket, count, total = (metric.name + s for s in ("_bucket", "_count", "_sum"))
     samples = fam.samples
-    if len(samples) % width:
-        raise _invalid(f"{metric.name}: a histogram incomplete")
     seen: set[Labels] = set()
-    for start in range(0, len(samples), width):
+    start = 0
+    while start < len(samples):
+        # The catalogue's buckets, or the +Inf bucket alone (the large-job setting).
+        bounds = _INF_ONLY if samples[start][1].le == "+Inf" else shape.bounds
+        width = len(bounds) + 2
         group = samples[start:start + width]
+        start += width
+        if len(group) < width or group[-1][0] == bucket:
+            raise _invalid(f"{metric.name}: a histogram incomplete")
         labels = group[-1][1].pairs  # _sum's labels: the group's, without le
         if group[-1][1].names != names or labels in seen:
             raise _invalid(f"{metric.name}: label names differ from the catalogue, "
@@ -266,9 +272,9 @@ def _consistent(owners: dict[Owner, dict[str, list[Sample]]]) -> None:
     for by_family in owners.values():
         if not by_family.keys() >= _ALWAYS:
             raise _invalid("a loader without all of its latency histograms and counters")
-        phases = {s.labels.get("phase") for s in by_family[cat.TIME.name]}
-        if phases != _PHASES:
-            raise _invalid(f"{cat.TIME.name}: not one fetch and one transfer histogram")
+        phases = [s.labels.get("phase") for s in by_family.get(cat.TIME.name, ())]
+        if not set(phases) <= _PHASES:
+            raise _invalid(f"{cat.TIME.name}: a phase other than fetch and transfer")
         workers = [[s.labels["worker"] for s in by_family.get(name, ())]
                    for name in _WORKER_FAMILIES]
         # Every worker with CPU time has a heartbeat; its samples may be unknown.

@@ -1,0 +1,143 @@
+"""Series per (loader, rank), counted on real DataLoaders: the default stays within its
+budget, the large-job setting ($DATALOADER_EXPORTER_SERIES=job) within its own, nothing
+unmeasured is exported (no empty histogram, no transfer series without to_device), and
+what the trainer writes in either setting is a snapshot the sidecar accepts."""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from support.helpers import refreshes
+from support.torch_helpers import SleepDataset
+
+from dataloader_exporter import instrument
+from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.core import seriesmode
+from dataloader_exporter.core.envnames import ENV_SERIES
+from dataloader_exporter.diagnosis.signals import quantile
+from dataloader_exporter.exporter.collectors import snapshot
+
+pytestmark = pytest.mark.torch
+
+# The budgets docs/metrics.md states ("Series per loader and rank").
+FULL_BUDGET = 60  # 2 workers, the default setting
+JOB_BUDGET = 20  # any number of workers, the large-job setting
+
+
+def run(registry: CollectorRegistry, workers: int, to_device: bool = False) -> str:
+    """Two short epochs of a real loader named "t" (rank 0), its workers' liveness read
+    a few times; the registry's exposition."""
+    loader = instrument.DataLoader(SleepDataset(6), batch_size=1, name="t",
+                                   num_workers=workers, persistent_workers=workers > 0,
+                                   registry=registry)
+    for _ in range(2):
+        for x, _ in loader:
+            if to_device:
+                loader.to_device(x, "cpu")
+    refreshes(loader)
+    return generate_latest(registry).decode()
+
+
+def count(text: str) -> collections.Counter[str]:
+    """Series of loader "t", rank 0, by sample name."""
+    out: collections.Counter[str] = collections.Counter()
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.labels.get("loader") == "t" and s.labels.get("rank") == "0":
+                out[s.name] += 1
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_default_setting_stays_within_its_series_budget(
+        registry: CollectorRegistry, workers: int) -> None:
+    series = count(run(registry, workers))
+    print(f"default, {workers} workers: {sum(series.values())} series {dict(series)}")
+    assert sum(series.values()) <= FULL_BUDGET, series
+    # Everything the doctor, the tuner and the dashboards read is still there.
+    assert series[cat.TIME.name + "_bucket"] == len(cat.TIME.buckets) + 1
+    assert series[cat.STEP.name + "_bucket"] == len(cat.STEP.buckets) + 1
+    assert series[cat.FIRST_BATCH.name + "_count"] == 1
+    assert (series[cat.WORKER_CPU.name], series[cat.WORKER_HEARTBEAT.name]) == (workers, workers)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_job_setting_keeps_the_job_level_truth_within_its_budget(
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
+    monkeypatch.setenv(ENV_SERIES, seriesmode.JOB)
+    series = count(run(registry, workers, to_device=True))
+    print(f"job, {workers} workers: {sum(series.values())} series {dict(series)}")
+    assert sum(series.values()) <= JOB_BUDGET, series
+    names = {n.removesuffix(s) for n in series for s in ("_bucket", "_count", "_sum")
+             if n.endswith(s)} | set(series)
+    assert {n for n in names if n in cat.BY_NAME} <= seriesmode.JOB_METRICS
+    # What the recording rules and the job-level alerts read, per rank.
+    fetch = {"loader": "t", "rank": "0", "phase": cat.PHASE_FETCH}
+    assert registry.get_sample_value(cat.TIME.name + "_sum", fetch) is not None
+    assert registry.get_sample_value(cat.TIME.name + "_bucket", {**fetch, "le": "+Inf"}) == 12
+    for name in (cat.STEP.name + "_sum", cat.BATCHES.name, cat.SAMPLES.name, cat.EPOCHS.name,
+                 cat.FIRST_BATCH.name + "_sum", cat.WORKERS_CONFIGURED.name,
+                 cat.WORKERS_ACTIVE.name, cat.WORKERS_LOST.name, cat.LAST_BATCH.name):
+        assert registry.get_sample_value(name, {"loader": "t", "rank": "0"}) is not None, name
+
+
+def test_no_transfer_series_for_a_loader_that_never_calls_to_device(
+        registry: CollectorRegistry) -> None:
+    text = run(registry, 0)
+    assert 'phase="transfer"' not in text
+    assert f"\n{cat.TRANSFER_BYTES.name}{{" not in text
+    other = CollectorRegistry()
+    with_transfers = run(other, 0, to_device=True)
+    assert 'phase="transfer"' in with_transfers
+    assert other.get_sample_value(cat.TRANSFER_BYTES.name, {"loader": "t", "rank": "0"}) == 0
+
+
+def test_no_histogram_is_exported_empty(registry: CollectorRegistry) -> None:
+    """A loader built but not iterated, and one that handed out one batch (no step yet)."""
+    instrument.DataLoader(SleepDataset(2), batch_size=1, name="idle", registry=registry)
+    one = instrument.DataLoader(SleepDataset(2), batch_size=1, name="one", registry=registry)
+    next(iter(one))
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        if fam.type == cat.HISTOGRAM:
+            for s in fam.samples:
+                assert not (s.name.endswith("_count") and s.value == 0), s
+    assert registry.get_sample_value(cat.STEP.name + "_count",
+                                     {"loader": "one", "rank": "0"}) is None
+    assert registry.get_sample_value(cat.FIRST_BATCH.name + "_count",
+                                     {"loader": "one", "rank": "0"}) == 1
+
+
+@pytest.mark.parametrize("setting", seriesmode.SERIES_MODES)
+def test_the_sidecar_accepts_what_the_trainer_writes_in_either_setting(
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    monkeypatch.setenv(ENV_SERIES, setting)
+    text = run(registry, 2, to_device=setting == seriesmode.JOB)
+    loaded = snapshot.load(text.encode(), max_series=10_000)
+    assert set(loaded.owners) == {("t", "0")}
+
+
+def test_a_bad_setting_is_named_with_its_values_and_the_full_set_is_exported(
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(ENV_SERIES, "tiny")
+    with caplog.at_level(logging.WARNING, "dataloader_exporter.instrument"):
+        series = count(run(registry, 0))
+    assert any(ENV_SERIES in r.getMessage() and "full, job" in r.getMessage()
+               for r in caplog.records), caplog.text
+    assert series[cat.TIME.name + "_bucket"] == len(cat.TIME.buckets) + 1
+
+
+def test_the_setting_reads_full_when_unset_and_either_value_in_any_case() -> None:
+    assert seriesmode.series_mode({}) == (seriesmode.FULL, None)
+    assert seriesmode.series_mode({ENV_SERIES: " Job "}) == (seriesmode.JOB, None)
+    mode, complaint = seriesmode.series_mode({ENV_SERIES: "1"})
+    assert mode == seriesmode.FULL and complaint and ENV_SERIES in complaint
+
+
+def test_the_doctor_reads_no_quantile_from_a_plus_inf_bucket_alone() -> None:
+    assert quantile(0.5, [(float("inf"), 12.0)]) is None
+    assert quantile(0.5, [(0.01, 10.0), (float("inf"), 10.0)]) == pytest.approx(0.005)
