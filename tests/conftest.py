@@ -27,10 +27,12 @@ import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 from support.clock import Clock
+from support.kube import K8S, example_with_tls, kustomize
 from support.procs import REPO, Prometheus
 from support.required import require_binary
 
@@ -118,6 +120,19 @@ def promtool() -> str:
 def kubectl() -> str:
     """kubectl (its built-in kustomize renders offline, no cluster needed)."""
     return require_binary("kubectl", "it carries kustomize; no cluster is needed")
+
+
+@pytest.fixture(scope="session")
+def example(kubectl: str) -> list[dict[str, Any]]:
+    """deploy/kubernetes/example rendered with kustomize."""
+    return kustomize(kubectl, K8S / "example")
+
+
+@pytest.fixture(scope="session")
+def example_tls(kubectl: str, tmp_path_factory: pytest.TempPathFactory
+                ) -> list[dict[str, Any]]:
+    """The example with the tls component."""
+    return example_with_tls(kubectl, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

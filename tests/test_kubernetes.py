@@ -26,7 +26,6 @@ from support.kube import (
     VERSIONS,
     WORKLOADS,
     by_kind,
-    example_with_tls,
     kustomize,
     named,
     one,
@@ -42,18 +41,6 @@ from support.procs import REPO
 
 from dataloader_exporter.dashboards import build, kubernetes
 from dataloader_exporter.dashboards.model import FOLDER
-
-
-@pytest.fixture(scope="module")
-def example(kubectl: str) -> list[dict[str, Any]]:
-    return kustomize(kubectl, K8S / "example")
-
-
-@pytest.fixture(scope="module")
-def example_tls(kubectl: str, tmp_path_factory: pytest.TempPathFactory
-                ) -> list[dict[str, Any]]:
-    """The example with the tls component, which the pod security check covers too."""
-    return example_with_tls(kubectl, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ import yaml
 from support.kube import (
     K8S,
     VERSIONS,
-    example_with_tls,
     kustomize,
     named,
     one,
@@ -40,17 +39,6 @@ from support.required import require_binary
 from dataloader_exporter.dashboards import kubernetes
 
 WEB_CONFIG_ENV = "DATALOADER_EXPORTER_WEB_CONFIG_FILE"  # --web.config.file's variable
-
-
-@pytest.fixture(scope="module")
-def example(kubectl: str) -> list[dict[str, Any]]:
-    return kustomize(kubectl, K8S / "example")
-
-
-@pytest.fixture(scope="module")
-def example_tls(kubectl: str, tmp_path_factory: pytest.TempPathFactory
-                ) -> list[dict[str, Any]]:
-    return example_with_tls(kubectl, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
