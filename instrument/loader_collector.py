@@ -54,20 +54,13 @@ class LoaderCollector(Collector):
         recs = list(self._recorders())
         for r in recs:
             r.flush()
-        if self.series == seriesmode.FULL:
-            yield from _families(recs)
-            return
-        for f in _families(recs, job=True):
-            if f.name not in _JOB_FAMILIES:
-                f.samples = []  # every family still described: readers expect them all
-            yield f
-
-
-_JOB_FAMILIES = frozenset(m.family for m in TRAINER_METRICS if m.name in seriesmode.JOB_METRICS)
+        yield from _families(recs, job=self.series == seriesmode.JOB)
 
 
 def _families(recs: list[LoaderRecorder], job: bool = False) -> Iterator[Family]:
-    """The trainer families (job: the histograms as their +Inf bucket, fetch phase only)."""
+    """The trainer families. job: the job-level ones only (the histograms as their +Inf
+    bucket, fetch phase only); the others are yielded empty, never computed, since every
+    family is described and readers expect them all."""
     time_f, step_f, first_f = family(cat.TIME), family(cat.STEP), family(cat.FIRST_BATCH)
     phases = seriesmode.JOB_PHASES if job else (cat.PHASE_FETCH, cat.PHASE_TRANSFER)
     for r in recs:
@@ -94,14 +87,14 @@ def _families(recs: list[LoaderRecorder], job: bool = False) -> Iterator[Family]
     ]
     for metric, get in simple:
         f = family(metric)
-        for r in recs:
+        for r in recs if not job or metric.name in seriesmode.JOB_METRICS else ():
             value = get(r)
             if value is not None:
                 f.add_metric([r.name, r.rank], value)
         yield f
     cpu, samples, beat = family(cat.WORKER_CPU), family(cat.WORKER_SAMPLES), family(
         cat.WORKER_HEARTBEAT)
-    for r in recs:
+    for r in () if job else recs:
         for worker, cpu_ns, n, beat_ns in r.workers.per_worker():
             labels = [r.name, r.rank, str(worker)]
             cpu.add_metric(labels, cpu_ns / 1e9)
@@ -111,9 +104,9 @@ def _families(recs: list[LoaderRecorder], job: bool = False) -> Iterator[Family]
     yield cpu
     yield samples
     yield beat
-    yield from _proc_families(recs)
+    yield from _proc_families(recs, job)
     changes, stable = family(cat.TUNER_CHANGES), family(cat.TUNER_STABLE)
-    for r in recs:
+    for r in () if job else recs:
         state = r.tuner_stable  # read once: the tuner may stop between two reads
         if state is not None:
             stable.add_metric([r.name, r.rank, r.tuner_settings], float(state))
@@ -130,8 +123,9 @@ def _families(recs: list[LoaderRecorder], job: bool = False) -> Iterator[Family]
     yield info
 
 
-def _proc_families(recs: list[LoaderRecorder]) -> Iterator[Family]:
-    """Where the workers' time and memory go (/proc, procstat.py), and failures by cause."""
+def _proc_families(recs: list[LoaderRecorder], job: bool) -> Iterator[Family]:
+    """Where the workers' time and memory go (/proc, procstat.py; none with job), and
+    failures by cause."""
     time_f, read_f, faults_f = (family(m) for m in (cat.WORKER_TIME, cat.WORKER_READ,
                                                      cat.WORKER_MAJOR_FAULTS))
     memory_f, max_f, fail_f = (family(m) for m in (cat.WORKER_MEMORY, cat.WORKER_MAX_RSS,
@@ -141,7 +135,7 @@ def _proc_families(recs: list[LoaderRecorder]) -> Iterator[Family]:
         for cause, n in r.workers.failures.items():
             if n:  # a cause seen; the alerts take a series first seen at 1 as a failure
                 fail_f.add_metric([*lr, cause], n)
-        fig = r.workers.proc_figures()
+        fig = None if job else r.workers.proc_figures()
         if fig is None:
             continue  # no worker read (yet): unknown, not 0
         split: list[tuple[Any, tuple[str, ...], tuple[int | None, ...], float]] = [
