@@ -95,11 +95,15 @@ class LoaderRecorder:
         self.tuner_changes: dict[tuple[str, str], int] = {}
         self.tuner_stable: bool | None = None
         self.tuner_settings = ""  # the settings it tunes, comma-separated
+        # A tuned loader without workers: the loop thread's CPU time in its fetches
+        # (CpuTimedIterator), and how many fetches it covers.
+        self.fetch_cpu_ns = 0
+        self.fetch_cpu_n = 0
         self.on_flush: Callable[[], None] | None = None
         # Reader side.
         self.lock = threading.Lock()
-        self.fetch_h = DurationHistogram(cat.TIME.buckets)
-        self.transfer_h = DurationHistogram(cat.TIME.buckets)
+        self.fetch_h = DurationHistogram(cat.PHASE_BUCKETS[cat.PHASE_FETCH])
+        self.transfer_h = DurationHistogram(cat.PHASE_BUCKETS[cat.PHASE_TRANSFER])
         self.step_h = DurationHistogram(cat.STEP.buckets)
         self.first_h = DurationHistogram(cat.FIRST_BATCH.buckets)
 

@@ -115,10 +115,17 @@ class Hub:
         with self._lock:
             writer = self._writers.get(key)
             if writer is None:
-                writer = self._writers[key] = SnapshotWriter(trainer_only, key, interval,
-                                                             on_exit=self.exiting)
+                writer = self._writers[key] = SnapshotWriter(
+                    trainer_only, key, interval, on_exit=self.exiting, activity=self.activity)
                 writer.start()
             return writer
+
+    def activity(self) -> object:
+        """Equal across two calls when no loader of this hub recorded anything in between
+        (loader_collector.activity): what lets an idle snapshot writer skip a write."""
+        from .loader_collector import activity
+
+        return activity(self.recorders())
 
     def exiting(self) -> None:
         """The interpreter exits normally (exit handlers run): the last snapshots say so

@@ -123,6 +123,27 @@ def _families(recs: list[LoaderRecorder], job: bool = False) -> Iterator[Family]
     yield info
 
 
+def activity(recs: Iterable[LoaderRecorder]) -> tuple[object, ...]:
+    """Equal across two calls when none of the recorders recorded anything in between: a
+    batch, an epoch, a timing, a transfer, a batch's bytes, a GPU, a configuration, a
+    tuner's change, a worker generation started, stopped or collected, a worker's batch,
+    a lost worker or a failure (WorkerTracker.version), an exit. Not what changes without
+    a record: live workers' liveness and memory, and the time since the last batch."""
+    return tuple((r, r.batches, r.samples, r.samples_known, r.iters, r.epochs,
+                  r.transfer_bytes, r.batch_bytes, *_observations(r), r.gpu_uuid, r.exited_at,
+                  r.tuner_stable, r.tuner_settings, tuple(r.tuner_changes.items()),
+                  tuple(r.config.items()), r.workers.version()) for r in recs)
+
+
+def _observations(r: LoaderRecorder) -> tuple[int, ...]:
+    """Durations recorded per histogram, binned or not: a flush leaves them as they are."""
+    with r.lock:
+        return (int(r.fetch_h.counts.sum()) + len(r.fetch),
+                int(r.step_h.counts.sum()) + len(r.step),
+                int(r.first_h.counts.sum()) + len(r.first),
+                int(r.transfer_h.counts.sum()) + len(r.transfer) + len(r.pending_events))
+
+
 def _proc_families(recs: list[LoaderRecorder], job: bool) -> Iterator[Family]:
     """Where the workers' time and memory go (/proc, procstat.py; none with job), and
     failures by cause."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,21 @@ def shm_needed(batch_bytes: int, cfg: LoaderConfig, local_ranks: int = 1) -> int
                              local_ranks))
 
 
+CPU_FACTS_TTL = 60.0  # seconds the process's CPU facts are reused across loaders
+_cpu_facts: tuple[float, advisor.Cpu] | None = None
+
+
+def process_cpu() -> advisor.Cpu:
+    """advisor.local_cpu(), read at most every CPU_FACTS_TTL seconds for the whole
+    process: its sysfs and cgroup reads cost more than building a short-lived loader."""
+    global _cpu_facts
+    now = time.monotonic()
+    facts = _cpu_facts
+    if facts is None or now - facts[0] > CPU_FACTS_TTL:
+        facts = _cpu_facts = (now, advisor.local_cpu())
+    return facts[1]
+
+
 def _cuda_available() -> bool:
     """Whether this process can see a GPU (the loop then needs no core of its own)."""
     try:
@@ -81,7 +97,7 @@ class Preflight:
 
     def __init__(self, name: str, shm_path: str = SHM_PATH,
                  shm_probe: Callable[[str], ShmSpace | None] = shm_space,
-                 cpu: Callable[[], advisor.Cpu] = advisor.local_cpu,
+                 cpu: Callable[[], advisor.Cpu] = process_cpu,
                  local_ranks: Callable[[], int] = local_world_size,
                  cuda: Callable[[], bool] = _cuda_available) -> None:
         self.name = name
@@ -93,6 +109,8 @@ class Preflight:
         self._cuda = functools.cache(cuda)
         self._config_line = LogOnce(log, logging.INFO)  # the configuration line
         self._advice = LogOnce(log)  # each piece of advice
+        # The tuner sets num_workers from what it measures: no advice on the count here.
+        self.tuned_workers = False
 
     def _warn(self, key: str, msg: str, *args: object) -> None:
         if not self._advice.seen(key):
@@ -112,7 +130,9 @@ class Preflight:
         if said("no-workers") and said("too-many-workers") and said("not-persistent"):
             return
         cpu, ranks = self._cpu(), self._local_ranks()
-        if cfg.num_workers == 0 and not said("no-workers"):
+        if self.tuned_workers:
+            pass
+        elif cfg.num_workers == 0 and not said("no-workers"):
             self._warn("no-workers", "num_workers=0 loads every batch in the training "
                        "process, so the GPU waits while it does; try num_workers=%d (%s "
                        "shared by %d local rank%s)",

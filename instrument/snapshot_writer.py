@@ -29,6 +29,9 @@ from .failure_causes import is_torch_worker_error
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
+REFRESH_EVERY = 5  # an idle writer renders at least one interval in this many
+_UNWRITTEN = object()  # an activity no call returns: the next interval writes
+
 
 def snapshot_path(directory: str) -> str:
     """A file name unique to this process: host, pid and a random token."""
@@ -49,12 +52,21 @@ class SnapshotWriter:
     may wait a bounded time for it (wait_for()).
     Failures (missing or unwritable directory, full disk) are logged once and retried
     quietly; training never sees them. The last snapshot is written at interpreter exit.
+
+    activity (optional) returns a value equal across two calls when nothing was recorded
+    in between (Hub.activity). An interval's write whose activity equals the last write's
+    is skipped, at most refresh_every - 1 intervals in a row: the file is only touched
+    (os.utime), since its mtime is its freshness to the sidecar, and what changes without
+    a record (workers' liveness and memory) is rendered at least every refresh_every
+    intervals. Asked-for writes (ask, wake, close) are never skipped.
     """
 
     PROMPT = 1.0
 
     def __init__(self, registry: CollectorRegistry, directory: str, interval: float,
-                 on_exit: Callable[[], None] | None = None) -> None:
+                 on_exit: Callable[[], None] | None = None,
+                 activity: Callable[[], object] | None = None,
+                 refresh_every: int = REFRESH_EVERY) -> None:
         self.registry = registry
         self.on_exit = on_exit  # called at interpreter exit, before the last write
         self.directory = directory
@@ -62,6 +74,11 @@ class SnapshotWriter:
         self.path = snapshot_path(directory)
         self.writes = 0
         self.failures = 0
+        self.skips = 0  # intervals whose write was skipped, the file touched
+        self.refresh_every = refresh_every
+        self._activity = activity
+        self._written: object = _UNWRITTEN  # the activity the file shows
+        self._skipped = 0  # intervals skipped since the last write
         self._pid = os.getpid()
         self._wake = threading.Event()
         self._urgent = False
@@ -120,14 +137,47 @@ class SnapshotWriter:
     def _run(self) -> None:
         while not self._stop.is_set():
             now = time.monotonic()
-            if self._urgent or now >= min(self._due, self._prompt):
+            asked = self._urgent or now >= self._prompt
+            if asked or now >= self._due:
                 self._urgent = False  # an ask() during the write asks again
-                self.write()
+                if asked:
+                    self.write()
+                else:
+                    self.tick()
                 if self._prompt_asked <= now:  # asked before this write began: answered
                     self._prompt = math.inf
                 self._due = time.monotonic() + self.interval  # a slow write is no busy loop
             self._wake.wait(max(0.0, min(self._due, self._prompt) - time.monotonic()))
             self._wake.clear()
+
+    def tick(self) -> bool:
+        """One interval's write, or its skip (see the class); False on a failed write."""
+        return self._skip() or self.write()
+
+    def _skip(self) -> bool:
+        """Whether this interval's write is skipped (see the class), the file touched."""
+        if (self._activity is None or self._skipped >= self.refresh_every - 1
+                or os.getpid() != self._pid):
+            return False
+        try:
+            if self._activity() != self._written:
+                return False
+            os.utime(self.path)  # the file gone or unwritable: a write tells
+        except Exception as e:
+            if is_torch_worker_error(e):
+                raise
+            return False
+        self._skipped += 1
+        self.skips += 1
+        return True
+
+    def _now_active(self) -> object:
+        try:
+            return self._activity() if self._activity is not None else _UNWRITTEN
+        except Exception as e:
+            if is_torch_worker_error(e):
+                raise
+            return _UNWRITTEN
 
     def write(self) -> bool:
         """One atomic write; False (and one log line per failure streak) on error."""
@@ -136,11 +186,14 @@ class SnapshotWriter:
         with self._write_lock:
             with self._done:
                 self._started += 1
+            active = self._now_active()  # read before the figures
             try:
                 self._replace(text(self.registry.collect()))
+                self._written, self._skipped = active, 0
             except Exception as e:
                 if is_torch_worker_error(e):  # torch's SIGCHLD word: the loop's, not ours
                     raise
+                self._written = _UNWRITTEN
                 self.failures += 1
                 if not self._failing:
                     self._failing = True

@@ -142,6 +142,7 @@ class WorkerTracker:
         self._collected: deque[int] = deque()  # generations whose iterator is gone
         self._done: set[int] = set()  # pids that ended, lost or not: never counted again
         self._ids = 0
+        self._stops = 0
         self._totals = _Totals()
         self._liveness = Liveness()
         self._next = 0.0
@@ -173,6 +174,7 @@ class WorkerTracker:
         with self._lock:
             self._fold_collected()
             gen = self._live.get(key)
+            self._stops += 1
             if gen is not None:
                 gen.watched = False
                 for pid in gen.all_pids():
@@ -297,6 +299,16 @@ class WorkerTracker:
                 except Exception as e:  # a report must never break bookkeeping...
                     if is_torch_worker_error(e):
                         raise  # ...nor swallow torch's word that a worker died
+
+    def version(self) -> tuple[int, ...]:
+        """Changes when a generation of workers starts, stops or is collected, a worker
+        finishes a batch (its heartbeat), a worker is lost or a failure counted; not with
+        liveness or memory, which change without any of these."""
+        with self._lock:
+            beats = sum(int(g.block.numpy()[:, HEARTBEAT].sum()) for g in self._live.values()
+                        if g.block is not None)
+            return (self._ids, self._stops, len(self._collected), beats, self.lost,
+                    *self.failures.values())
 
     def proc_figures(self) -> Figures | None:
         """The workers' /proc figures (procstat.Figures); None where unknown."""

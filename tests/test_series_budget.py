@@ -52,25 +52,35 @@ def count(text: str) -> collections.Counter[str]:
     return out
 
 
+@pytest.mark.parametrize("to_device", [False, True], ids=["plain", "to_device"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_default_setting_stays_within_its_series_budget(
-        registry: CollectorRegistry, workers: int) -> None:
-    series = count(run(registry, workers))
-    print(f"default, {workers} workers: {sum(series.values())} series {dict(series)}")
+        registry: CollectorRegistry, workers: int, to_device: bool) -> None:
+    series = count(run(registry, workers, to_device))
+    print(f"default, {workers} workers, to_device={to_device}: {sum(series.values())} "
+          f"series {dict(series)}")
     assert sum(series.values()) <= FULL_BUDGET, series
-    # Everything the doctor, the tuner and the dashboards read is still there.
-    assert series[cat.TIME.name + "_bucket"] == len(cat.TIME.buckets) + 1
+    # Everything the doctor, the tuner and the dashboards read is still there: the fetch
+    # wait's buckets, and the transfer's (a p95) once to_device ran.
+    layouts = [cat.PHASE_BUCKETS[cat.PHASE_FETCH]] + (
+        [cat.PHASE_BUCKETS[cat.PHASE_TRANSFER]] if to_device else [])
+    assert series[cat.TIME.name + "_bucket"] == sum(len(b) + 1 for b in layouts)
+    assert series[cat.TIME.name + "_count"] == len(layouts)
+    assert (series[cat.TRANSFER_BYTES.name] == 1) is to_device
     assert series[cat.STEP.name + "_bucket"] == len(cat.STEP.buckets) + 1
     assert series[cat.FIRST_BATCH.name + "_count"] == 1
     assert (series[cat.WORKER_CPU.name], series[cat.WORKER_HEARTBEAT.name]) == (workers, workers)
 
 
+@pytest.mark.parametrize("to_device", [False, True], ids=["plain", "to_device"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_job_setting_keeps_the_job_level_truth_within_its_budget(
-        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch, workers: int,
+        to_device: bool) -> None:
     monkeypatch.setenv(ENV_SERIES, seriesmode.JOB)
-    series = count(run(registry, workers, to_device=True))
-    print(f"job, {workers} workers: {sum(series.values())} series {dict(series)}")
+    series = count(run(registry, workers, to_device))
+    print(f"job, {workers} workers, to_device={to_device}: {sum(series.values())} series "
+          f"{dict(series)}")
     assert sum(series.values()) <= JOB_BUDGET, series
     names = {n.removesuffix(s) for n in series for s in ("_bucket", "_count", "_sum")
              if n.endswith(s)} | set(series)
@@ -93,6 +103,12 @@ def test_no_transfer_series_for_a_loader_that_never_calls_to_device(
     other = CollectorRegistry()
     with_transfers = run(other, 0, to_device=True)
     assert 'phase="transfer"' in with_transfers
+    transfer = {"loader": "t", "rank": "0", "phase": cat.PHASE_TRANSFER}
+    for bound in cat.TRANSFER_BUCKETS:  # its own layout, not the fetch wait's
+        assert other.get_sample_value(cat.TIME.name + "_bucket",
+                                      {**transfer, "le": repr(bound)}) is not None, bound
+    assert other.get_sample_value(cat.TIME.name + "_bucket",
+                                  {**transfer, "le": repr(cat.WAIT_BUCKETS[0])}) is None
     assert other.get_sample_value(cat.TRANSFER_BYTES.name, {"loader": "t", "rank": "0"}) == 0
 
 
@@ -115,7 +131,7 @@ def test_no_histogram_is_exported_empty(registry: CollectorRegistry) -> None:
 def test_the_sidecar_accepts_what_the_trainer_writes_in_either_setting(
         registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
     monkeypatch.setenv(ENV_SERIES, setting)
-    text = run(registry, 2, to_device=setting == seriesmode.JOB)
+    text = run(registry, 2, to_device=True)
     loaded = snapshot.load(text.encode(), max_series=10_000)
     assert set(loaded.owners) == {("t", "0")}
 

@@ -317,6 +317,32 @@ def test_real_snapshots_of_every_shape_are_accepted(good: bytes, two_loaders: by
         assert snapshot.load(data, DEFAULT_MAX_SERIES).series == len(parse(data.decode()))
 
 
+def relayout_transfer(data: bytes, bounds: tuple[float, ...]) -> bytes:
+    """The snapshot with its transfer histograms' buckets in another layout, each bucket
+    holding every observation (cumulative, and equal to _count)."""
+    out: list[bytes] = []
+    for line in data.splitlines(keepends=True):
+        if not (line.startswith(cat.TIME.name.encode() + b"_bucket{")
+                and b'phase="transfer"' in line):
+            out.append(line)
+        elif b'le="+Inf"' in line:  # the last bucket: write the whole layout in its place
+            out += [line.replace(b'le="+Inf"', f'le="{b!r}"'.encode()) for b in bounds]
+            out.append(line)
+    return b"".join(out)
+
+
+def test_transfer_histograms_in_the_fetch_layout_of_older_writers_are_accepted(
+        two_loaders: bytes) -> None:
+    transfer = b'phase="transfer"'
+    assert transfer in two_loaders
+    older = relayout_transfer(two_loaders, cat.PHASE_BUCKETS[cat.PHASE_FETCH])
+    assert older.count(transfer) > two_loaders.count(transfer)
+    assert snapshot.load(older, DEFAULT_MAX_SERIES).series == len(parse(older.decode()))
+    # Any other layout is not what a writer wrote.
+    with pytest.raises(Rejected, match=cat.TIME.name):
+        snapshot.load(relayout_transfer(two_loaders, (0.0005, 0.005)), DEFAULT_MAX_SERIES)
+
+
 def test_files_over_the_size_bound_are_skipped_and_never_read_whole(
         tmp_path: Path, good: bytes) -> None:
     write(tmp_path / "good.prom", good)

@@ -12,8 +12,10 @@ writes:
   family (no ``_created`` samples either: the writer's families carry no creation time);
 - on each sample exactly the catalogue's label names (plus ``le`` on buckets), no
   series twice, counters finite and >= 0;
-- histograms whole: per label set the catalogue's buckets in order (or none: the
-  large-job setting, core/seriesmode.py), then ``+Inf``, ``_count`` and ``_sum``; bucket
+- histograms whole: per label set one of the catalogue's bucket layouts in order (for
+  dataloader_time_seconds each phase's, cat.PHASE_BUCKETS, and the fetch layout that
+  older writers used for both), or none (the large-job setting, core/seriesmode.py), then
+  ``+Inf``, ``_count`` and ``_sum``; bucket
   counts whole numbers, cumulative, ``_count`` equal to the ``+Inf`` bucket, ``_sum``
   finite and >= 0;
 - the writer's invariants per (loader, rank): the batch, epoch and lost-worker counters
@@ -184,13 +186,16 @@ class _Shape:
     names: tuple[str, ...]  # label names, sorted as parsed labels are
     loader: int  # where loader and rank are among them
     rank: int
-    bounds: tuple[str, ...] = ()  # le values, as instrument/hotpath_recorder.py writes them
+    bounds: tuple[str, ...]  # le values, as instrument/hotpath_recorder.py writes them
+    layouts: dict[str, tuple[str, ...]]  # every layout allowed, by its first le
 
     @staticmethod
     def of(metric: cat.Metric) -> _Shape:
         names = tuple(sorted(metric.labels))
-        return _Shape(metric, names, names.index("loader"), names.index("rank"),
-                      (*(repr(float(b)) for b in metric.buckets), "+Inf"))
+        layouts = [(*(repr(float(b)) for b in buckets), "+Inf") for buckets in (
+            metric.buckets, *(cat.PHASE_BUCKETS.values() if "phase" in metric.labels else ()))]
+        return _Shape(metric, names, names.index("loader"), names.index("rank"), layouts[0],
+                      {bounds[0]: bounds for bounds in (*layouts, _INF_ONLY)})
 
 
 _SHAPES = {name: _Shape.of(m) for name, m in _TRAINER.items()}
@@ -230,8 +235,8 @@ def _histogram(shape: _Shape, fam: ParsedFamily, owners: dict[Owner, dict[str, l
     seen: set[Labels] = set()
     start = 0
     while start < len(samples):
-        # The catalogue's buckets, or the +Inf bucket alone (the large-job setting).
-        bounds = _INF_ONLY if samples[start][1].le == "+Inf" else shape.bounds
+        # One of the layouts, known by its first le (+Inf alone: the large-job setting).
+        bounds = shape.layouts.get(samples[start][1].le, shape.bounds)
         width = len(bounds) + 2
         group = samples[start:start + width]
         start += width

@@ -1,0 +1,174 @@
+"""What instrumentation costs a short-lived loader: built, run for one short epoch, dropped.
+
+One process, variants interleaved in rounds with their order rotated, so the machine's
+noise hits all alike; medians over rounds, added ms and ratios paired within a round, 90%
+bootstrap intervals of the median. Each round of a variant builds a loader over the same
+TensorDataset and takes one epoch of 8 batches (batch_size=8):
+
+  bare          torch's DataLoader, its own __init__ and __iter__ (the hooks that
+                instrumentation puts on the class are taken off for these rounds)
+  instrumented  instrument.DataLoader (no snapshot directory: registries are local)
+  zero-code     torch's DataLoader with the hooks of `dataloader-exporter run` on (what its
+                sitecustomize installs: zerocode_hooks.install(auto=True)), each loader
+                named from its construction site as in a real run
+
+in two cases: num_workers=0, and num_workers=2 (workers started and shut down each epoch).
+Targets: +0.2 ms at most without workers, 1.02x at most with workers.
+
+    python bench/short_lived.py [--quick] [--strict] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from time import perf_counter, perf_counter_ns
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from dataloader_exporter import instrument
+from dataloader_exporter.core.envnames import ENV_DIR
+from dataloader_exporter.instrument import zerocode_hooks, zerocode_registry
+from dataloader_exporter.instrument.torch_originals import TORCH_INIT, TORCH_ITER
+
+MAX_ADDED_MS = 0.2  # without workers
+MAX_RATIO = 1.02  # with workers
+VARIANTS = ("bare", "instrumented", "zero-code")
+_HOOKED: dict[str, Any] = {}
+
+
+def hooks(on: bool, auto: bool = False) -> None:
+    """torch's DataLoader with the instrumentation's class hooks (auto: zero-code mode's
+    too) or with torch's own __init__ and __iter__ (a process without instrumentation)."""
+    if not _HOOKED:
+        zerocode_hooks.install()
+        _HOOKED.update({k: vars(DataLoader)[k] for k in ("__init__", "__iter__")})
+    DataLoader.__init__ = _HOOKED["__init__"] if on else TORCH_INIT  # type: ignore[method-assign]
+    DataLoader.__iter__ = _HOOKED["__iter__"] if on else TORCH_ITER  # type: ignore[method-assign]
+    zerocode_registry.Mode.auto = on and auto
+
+
+def one_epoch(make: Callable[..., Any], ds: TensorDataset, workers: int) -> int:
+    """ns to build a loader and take one epoch of it, and to drop it."""
+    t0 = perf_counter_ns()
+    loader = make(ds, batch_size=8, num_workers=workers)
+    for _batch in loader:
+        pass
+    del loader
+    return perf_counter_ns() - t0
+
+
+def run_case(workers: int, rounds: int) -> dict[str, list[float]]:
+    """Per variant, per round: ms for build + one epoch."""
+    ds = TensorDataset(torch.randn(64, 16), torch.arange(64))
+    makers: dict[str, tuple[Callable[..., Any], bool, bool]] = {
+        "bare": (DataLoader, False, False),
+        "instrumented": (instrument.DataLoader, True, False),
+        "zero-code": (DataLoader, True, True),
+    }
+    for make, on, auto in makers.values():  # warm-up: imports, first-use caches
+        hooks(on, auto)
+        one_epoch(make, ds, workers)
+    out: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(rounds):
+        order = list(VARIANTS[r % 3:] + VARIANTS[:r % 3])
+        if r % 2:
+            order.reverse()
+        for v in order:
+            make, on, auto = makers[v]
+            hooks(on, auto)
+            out[v].append(one_epoch(make, ds, workers) / 1e6)
+    hooks(False)
+    return out
+
+
+def bootstrap_interval(xs: list[float], reps: int = 2000) -> tuple[float, float]:
+    """90% bootstrap interval of the median of xs (fixed seed: reruns print the same)."""
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(reps))
+    return meds[reps // 20], meds[reps - reps // 20 - 1]
+
+
+def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
+    bare = times["bare"]
+    s: dict[str, Any] = {"bare_ms": statistics.median(bare)}
+    for v in VARIANTS[1:]:
+        added = [t - b for t, b in zip(times[v], bare, strict=True)]
+        ratio = [t / b for t, b in zip(times[v], bare, strict=True)]
+        s[v] = {"ms": statistics.median(times[v]), "added_ms": statistics.median(added),
+                "added_ms_90": bootstrap_interval(added), "ratio": statistics.median(ratio),
+                "ratio_90": bootstrap_interval(ratio)}
+    return s
+
+
+def report(name: str, rounds: int, s: dict[str, Any]) -> None:
+    print(f"\n{name} ({rounds} rounds): build + one epoch of 8 batches, ms (medians)")
+    print(f"  {'bare':<14}{s['bare_ms']:9.3f}")
+    for v in VARIANTS[1:]:
+        f = s[v]
+        lo, hi = f["added_ms_90"]
+        rlo, rhi = f["ratio_90"]
+        print(f"  {v:<14}{f['ms']:9.3f} {f['added_ms']:+8.3f} ms (90% {lo:+.3f} .. {hi:+.3f})"
+              f"  {f['ratio']:.4f}x (90% {rlo:.4f} .. {rhi:.4f})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a few rounds, for a smoke run")
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds per case (default 300/40)")
+    args = ap.parse_args(argv)
+    logging.getLogger("dataloader_exporter.instrument").setLevel(logging.ERROR)
+    os.environ.pop(ENV_DIR, None)  # no snapshot thread: registries stay local
+    torch.set_num_threads(1)
+    t0 = perf_counter()
+    gc.freeze()  # a full collection over torch's objects would land in one variant
+    print(f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} "
+          f"CPUs, 1 torch thread")
+    r0 = args.rounds or (30 if args.quick else 300)
+    r2 = args.rounds or (6 if args.quick else 40)
+    no_workers = summarize(run_case(0, r0))
+    report("num_workers=0", r0, no_workers)
+    workers = summarize(run_case(2, r2))
+    report("num_workers=2", r2, workers)
+    checks = {}
+    for v in VARIANTS[1:]:
+        checks[f"{v}, no workers: added <= {MAX_ADDED_MS:g} ms"] = (
+            no_workers[v]["added_ms"] <= MAX_ADDED_MS)
+        checks[f"{v}, 2 workers: ratio <= {MAX_RATIO:g}"] = workers[v]["ratio"] <= MAX_RATIO
+    print(f"\nbenchmark took {perf_counter() - t0:.0f} s")
+    for label, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {label}")
+    result = {"workers_0": no_workers, "workers_2": workers, "quick": args.quick,
+              "torch": torch.__version__, "python": platform.python_version(),
+              "cpus": os.cpu_count(), "checks": checks}
+    print(json.dumps(_rounded(result), sort_keys=True))
+    return 1 if args.strict and not all(checks.values()) else 0
+
+
+def _rounded(obj: Any) -> Any:
+    """Floats to 4 places, so the line stays short."""
+    if isinstance(obj, float):
+        return round(obj, 4)
+    if isinstance(obj, (list, tuple)):
+        return [_rounded(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _rounded(v) for k, v in obj.items()}
+    return obj
+
+
+if __name__ == "__main__":
+    sys.exit(main())
