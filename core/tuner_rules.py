@@ -5,22 +5,27 @@ it measured at each epoch's iter() and applies what it decides between iterators
 Rules, from measured figures only (a figure that is unknown blocks the move it would
 justify, never guesses it):
 - more workers only while the loop waits for input (stall share at or over
-  bands.MODERATE), the workers run most of their time (they are the bottleneck, not a
-  queue or storage alone), no worker waits for a CPU (under bands.CPU_CONTENTION), and
-  the budget has room: the cores this rank may use, the memory one more worker takes
-  against the room left, the batches in flight against /dev/shm;
-- fewer workers when there are more than the rank's cores or they wait for a CPU, or when
-  memory would not hold them; never none, for a loader that has workers;
+  bands.MODERATE) and no worker waits for a CPU (under bands.CPU_CONTENTION): straight to
+  the count the model (core/tuner_model.py) predicts removes the wait, from the
+  per-batch figures measured (how long a batch takes to make and how much of that is CPU,
+  the loop's time and CPU), within the budget: the rank's cores as CPU time, not a worker
+  per core (blocked workers take a small share each), the memory the new workers take
+  against the room left, the batches in flight against /dev/shm, the process and
+  open-file limits. Without the per-batch figures: one worker more, or twice as many,
+  while the workers run most of their time, up to the rank's cores;
+- fewer workers when CPU-bound workers outnumber the rank's cores or wait for a CPU, or
+  when memory would not hold them; never none, for a loader that has workers;
 - a deeper queue (prefetch_factor) when the loop waits although the workers are not busy
   and the wait comes in bursts (its 95th percentile far above its median);
-- every change but a cut for memory is a trial: after more workers or a deeper queue the
-  next epoch's samples/s must beat the best setting's by MIN_GAIN, after fewer workers it
-  may not fall more than MIN_GAIN below it; else the tuner goes back to the best and stops
-  moving that way. So a job is never slower than its own settings for longer than one
-  epoch, and workers past the rank's cores are kept only where they measured faster.
+- every change but a cut for memory is a trial, judged on the next window (an epoch, or
+  a few seconds of one where the pool can change mid-epoch) under the noise measured
+  (core/tuner_judge.py): kept, undone (the tuner goes back to the best and stops moving
+  that way), or measured once more when within the noise. So a job is never slower than
+  its own settings for longer than a window or two.
   After MAX_TRIALS, or when no rule fires, it is stable and stays: no oscillation (where
   the loop waits but the workers' shares are not known yet, it waits UNSEEN_EPOCHS
-  epochs for them first).
+  epochs for them first). A stable setting whose rate drifts well below its own while
+  the loop waits (the data, the machine or the storage changed) is tuned again.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ import math
 from dataclasses import dataclass, field, replace
 
 from dataloader_exporter.core import bands
+from dataloader_exporter.core.tuner_judge import Judge
+from dataloader_exporter.core.tuner_model import Load, ceiling, choose
 
-MIN_GAIN = 0.05  # a trial must beat the best setting's samples/s by this share to stay
 MAX_TRIALS = 8  # then the tuner is stable, whatever the figures say
 MAX_PREFETCH = 8  # batches per worker: deeper queues only hold memory
 BURSTY = 4.0  # fetch wait p95 over its median at which the wait comes in bursts
@@ -56,11 +62,16 @@ class Setting:
 @dataclass(frozen=True)
 class Budget:
     """What this rank may use: cores for its workers (the advisor's share per local
-    rank), and the room left in memory and /dev/shm (None: unknown)."""
+    rank, less one for a loop on the CPU), the room left in memory and /dev/shm, the
+    cores as CPU time for the model (its share of the machine's; the loop's own use is
+    measured) and the most workers the process and open-file limits allow (None:
+    unknown)."""
 
     cores: int
     memory_room: int | None = None
     shm_room: int | None = None
+    cpus: float | None = None
+    limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,7 @@ class Epoch:
     batch_bytes: int | None = None
     burstiness: float | None = None  # fetch wait p95 / median
     unit: str = "samples"  # what samples_per_s counts: "batches" where samples cannot be
+    load: Load | None = None  # per-batch figures for the model (core/tuner_model.py)
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,8 @@ class Tuner:
     _trying: str | None = None  # the direction of the trial now running
     _unseen: int = 0  # epochs waited for the workers' shares
     _unit: str = "samples"  # what the rates count
+    _judge: Judge = field(default_factory=Judge)
+    settled_rate: float = 0.0  # the rate it settled at, against which drift is judged
 
     def __post_init__(self) -> None:
         self.current = self.start
@@ -121,34 +135,43 @@ class Tuner:
     def observe(self, epoch: Epoch, budget: Budget) -> Decision | None:
         """The change for the next epoch, or None to keep the current setting. `budget`:
         what the rank may use, read now (the room left with the current workers)."""
-        if self.stable or epoch.setting != self.current:
+        if epoch.setting != self.current:
             return None
         if epoch.unit != self._unit:  # samples could no longer be counted: rates restart
             self._unit, self.best_rate, self._trying = epoch.unit, 0.0, None
+            self._judge = Judge()
+        if self.stable:
+            if not self.workers or not self._judge.drifted(
+                    epoch.samples_per_s, self.settled_rate, epoch.stall >= bands.MODERATE):
+                return None
+            self.retune(epoch.samples_per_s)  # the figures drifted: tune again
         self.budget = budget
+        self._judge.saw(epoch.setting, epoch.samples_per_s)
+        rate = epoch.samples_per_s
         if self._trying is not None:
-            trying, self._trying = self._trying, None
-            # More must beat the best by MIN_GAIN; fewer may not lose more than MIN_GAIN
-            # (the same speed with fewer workers or a shorter queue is a gain in itself).
-            floor = 1 + MIN_GAIN if trying.endswith("+") else 1 - MIN_GAIN
-            if epoch.samples_per_s < self.best_rate * floor:
+            trying = self._trying
+            verdict, rate = self._judge.verdict(rate, self.best_rate, trying.endswith("+"))
+            if verdict == "again":  # within the noise: one more window of the same
+                return None
+            self._trying = None
+            if verdict == "undo":
                 self._exhausted.add(trying)
-                return self._revert(epoch, trying)
+                return self._revert(epoch, trying, rate)
             # A cut kept is the best setting now, judged still against the faster rate:
             # cuts do not compound below the best measured.
             self.best = self.current
-            self.best_rate = max(self.best_rate, epoch.samples_per_s)
-        if epoch.samples_per_s >= self.best_rate:
-            self.best, self.best_rate = self.current, epoch.samples_per_s
+            self.best_rate = max(self.best_rate, rate)
+        if rate >= self.best_rate:
+            self.best, self.best_rate = self.current, rate
         if self.trials >= MAX_TRIALS:
-            self.stable = True
+            self._settle(rate)
             return None
         decision = self._shrink(epoch) or self._grow(epoch) or self._deepen(epoch)
         if decision is None:
             if self._blind(epoch) and self._unseen < UNSEEN_EPOCHS:
                 self._unseen += 1  # the loop waits, but on what is not known yet
                 return None
-            self.stable = True
+            self._settle(rate)
             return None
         self.trials += 1
         if decision.reason == "memory":
@@ -160,6 +183,19 @@ class Tuner:
             self._trying = decision.name + "-"
         self.current = decision.setting
         return decision
+
+    def _settle(self, rate: float) -> None:
+        self.stable = True
+        self.settled_rate = rate
+
+    def retune(self, rate: float) -> None:
+        """Tunes again from the current setting, whose rate is now `rate`: the directions
+        ruled out, the trials counted and the rates seen are forgotten."""
+        self.stable = False
+        self.trials, self._unseen, self._trying = 0, 0, None
+        self._exhausted.clear()
+        self._judge = Judge()
+        self.best, self.best_rate = self.current, rate
 
     def cannot_run(self, previous: Setting) -> None:
         """The change just made could not run (the first worker pool failed to start, or
@@ -175,15 +211,16 @@ class Tuner:
         return (self.workers and epoch.setting.workers > 0 and epoch.stall >= bands.MODERATE
                 and (epoch.running is None or epoch.waiting_cpu is None))
 
-    def _revert(self, epoch: Epoch, trying: str) -> Decision:
+    def _revert(self, epoch: Epoch, trying: str, measured: float) -> Decision:
         assert self.best is not None
         name = "num_workers" if trying.startswith("num_workers") else "prefetch_factor"
         old = epoch.setting.workers if name == "num_workers" else epoch.setting.prefetch
         new = self.best.workers if name == "num_workers" else self.best.prefetch
         self.current = self.best
-        rate, best = f"{epoch.samples_per_s:.0f} {epoch.unit}/s", f"{self.best_rate:.0f}"
-        why = (f"{rate} did not beat {best} by {MIN_GAIN:.0%}" if trying.endswith("+") else
-               f"{rate} fell more than {MIN_GAIN:.0%} below {best}")
+        rate, best = f"{measured:.0f} {epoch.unit}/s", f"{self.best_rate:.0f}"
+        bar = self._judge.bar()
+        why = (f"{rate} did not beat {best} by {bar:.0%}" if trying.endswith("+") else
+               f"{rate} fell more than {bar:.0%} below {best}")
         return Decision(self.best, name, old, new, "reverted", f"{why}: back to {new}")
 
     def _room_for(self, epoch: Epoch, workers: int, prefetch: int) -> str | None:
@@ -191,7 +228,7 @@ class Tuner:
         figure to judge it is unknown and the setting is no larger than now."""
         now = epoch.setting
         more = workers - now.workers
-        if workers > self.budget.cores:
+        if workers > self._cap(epoch) and more > 0:
             return "cores"
         if more > 0:
             if epoch.worker_bytes is None or self.budget.memory_room is None:
@@ -208,23 +245,39 @@ class Tuner:
                 return "shm"
         return None
 
+    def _modelled(self, epoch: Epoch) -> bool:
+        return epoch.load is not None and self.budget.cpus is not None
+
+    def _cap(self, epoch: Epoch) -> int:
+        """The most workers: the model's ceiling on the rank's CPU time (or, without the
+        model's figures, its cores), within the process and open-file limits."""
+        cpus = self.budget.cpus
+        cap = ceiling(cpus) if cpus is not None and epoch.load is not None else self.budget.cores
+        return cap if self.budget.limit is None else max(0, min(cap, self.budget.limit))
+
     def _grow(self, epoch: Epoch) -> Decision | None:
         if not self.workers or "num_workers+" in self._exhausted:
             return None
         n = epoch.setting.workers
         if epoch.stall < bands.MODERATE:
             return None
-        if n > 0 and (epoch.running is None or epoch.waiting_cpu is None
-                      or epoch.running < BUSY or epoch.waiting_cpu >= bands.CPU_CONTENTION):
+        if n > 0 and (epoch.waiting_cpu is None or epoch.waiting_cpu >= bands.CPU_CONTENTION):
             return None
-        want = min(self.budget.cores, max(n + 1, 2 * n))
+        if self._modelled(epoch):
+            assert epoch.load is not None and self.budget.cpus is not None
+            want = choose(epoch.load, self.budget.cpus, self._cap(epoch))
+            why = f"{epoch.load.line()}; loop waited {epoch.stall:.0%}, {self.budget.cpus:g} cores"
+        else:
+            if n > 0 and (epoch.running is None or epoch.running < BUSY):
+                return None
+            want = min(self.budget.cores, max(n + 1, 2 * n))
+            free = self.budget.cores - n
+            ran = "" if epoch.running is None else f"workers ran {epoch.running:.0%} of the time, "
+            why = f"{ran}loop waited {epoch.stall:.0%}, {free} of {self.budget.cores} cores free"
         while want > n and self._room_for(epoch, want, epoch.setting.prefetch) is not None:
             want -= 1
         if want <= n:
             return None
-        free = self.budget.cores - n
-        ran = "" if epoch.running is None else f"workers ran {epoch.running:.0%} of the time, "
-        why = (f"{ran}loop waited {epoch.stall:.0%}, {free} of {self.budget.cores} cores free")
         return Decision(replace(epoch.setting, workers=want), "num_workers", n, want,
                         "starved", why)
 
@@ -232,13 +285,19 @@ class Tuner:
         n = epoch.setting.workers
         if not self.workers or n == 0:
             return None
-        if n > self.budget.cores and "num_workers-" not in self._exhausted:
-            return Decision(replace(epoch.setting, workers=self.budget.cores), "num_workers",
-                            n, self.budget.cores, "cores",
-                            f"{n} workers for {self.budget.cores} cores")
+        cap = self._cap(epoch)
+        if self._modelled(epoch):  # CPU-bound workers past the cores only queue for one
+            assert epoch.load is not None and self.budget.cpus is not None
+            if epoch.load.cpu_share >= BUSY:
+                cap = min(cap, max(1, math.ceil(self.budget.cpus)))
+        if n > cap and "num_workers-" not in self._exhausted:
+            return Decision(replace(epoch.setting, workers=cap), "num_workers",
+                            n, cap, "cores", f"{n} workers for {self.budget.cores} cores")
         if (epoch.waiting_cpu is not None and epoch.waiting_cpu >= bands.CPU_CONTENTION
                 and "num_workers-" not in self._exhausted):
-            want = max(1, min(self.budget.cores, math.ceil(n * (1 - epoch.waiting_cpu))))
+            top = (math.ceil(self.budget.cpus) if self._modelled(epoch) and self.budget.cpus
+                   else self.budget.cores)  # the loop's own CPU is in the figures
+            want = max(1, min(top, math.ceil(n * (1 - epoch.waiting_cpu))))
             if want < n:
                 return Decision(replace(epoch.setting, workers=want), "num_workers", n, want,
                                 "cpu-contention",

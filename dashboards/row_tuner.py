@@ -6,7 +6,7 @@ changed and why, and the workers it set. A loader that is not tuned has no serie
 from __future__ import annotations
 
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.core.tuner_rules import MIN_GAIN
+from dataloader_exporter.core.tuner_judge import MIN_GAIN
 
 from .model import BARGAUGE, COUNT, Panel, Row
 from .promql import BY_RANK, LOADER, sel

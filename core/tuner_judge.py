@@ -1,0 +1,81 @@
+"""How the tuner judges a trial under noise. Pure.
+
+The noise is what repeated windows of one setting measured: half their range over their
+mean, the largest over the settings seen twice or more. A trial is judged on the mean of
+its windows against the best setting's rate, with a bar of twice the noise (at least
+MIN_GAIN):
+
+- more (workers, queue): kept when at least the bar faster; undone when no faster at
+  all; in between, measured again (up to RETRIES more windows), then undone;
+- fewer: kept when no more than MIN_GAIN slower (the same speed with fewer workers is a
+  gain in itself); undone when more than the bar slower; in between, measured again.
+
+Once settled, a setting is left only when its rate falls DRIFT below the settled one,
+for DRIFT_WINDOWS windows running, while the loop waits for input: a higher bar to leave a
+setting than to take one, so noise does not make it oscillate.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Literal
+
+MIN_GAIN = 0.05  # the smallest change in samples/s a trial is judged on
+MAX_BAR = 0.25  # however noisy, a trial 25% faster is kept
+RETRIES = 1  # more windows for a trial whose result is within the noise
+DRIFT = 0.2  # a settled setting's rate falling this share below its own: tune again
+DRIFT_WINDOWS = 2  # windows running that must show the drift
+
+Verdict = Literal["keep", "undo", "again"]
+
+
+@dataclass
+class Judge:
+    """Rates seen per setting, and the trial now running."""
+
+    seen: dict[object, list[float]] = field(default_factory=lambda: defaultdict(list))
+    trial: list[float] = field(default_factory=list)
+    drifting: int = 0
+
+    def saw(self, setting: object, rate: float) -> None:
+        self.seen[setting].append(rate)
+
+    def noise(self) -> float:
+        """Half the range over the mean of one setting's windows, the largest seen."""
+        worst = 0.0
+        for rates in self.seen.values():
+            if len(rates) >= 2 and sum(rates) > 0:
+                worst = max(worst, (max(rates) - min(rates)) / (max(rates) + min(rates)))
+        return worst
+
+    def bar(self) -> float:
+        return min(MAX_BAR, max(MIN_GAIN, 2 * self.noise()))
+
+    def verdict(self, rate: float, best: float, more: bool) -> tuple[Verdict, float]:
+        """The trial's verdict after one more window at `rate`, and the rate judged (the
+        mean of the trial's windows)."""
+        self.trial.append(rate)
+        mean = statistics.fmean(self.trial)
+        if best <= 0:
+            return "keep", mean
+        gain, bar = mean / best - 1, self.bar()
+        if more:
+            verdict: Verdict = ("keep" if gain >= bar else "undo" if gain <= 0 else "again")
+        else:
+            verdict = ("keep" if gain >= -MIN_GAIN else "undo" if gain < -bar else "again")
+        if verdict == "again" and len(self.trial) > RETRIES:
+            verdict = "keep" if not more and gain >= -bar else "undo"
+        if verdict != "again":
+            self.trial = []
+        return verdict, mean
+
+    def drifted(self, rate: float, settled: float, waiting: bool) -> bool:
+        """Whether a settled setting's rate has fallen DRIFT below `settled` for
+        DRIFT_WINDOWS windows running while the loop waits for input."""
+        if waiting and settled > 0 and rate < settled * (1 - DRIFT):
+            self.drifting += 1
+        else:
+            self.drifting = 0
+        return self.drifting >= DRIFT_WINDOWS

@@ -1,0 +1,191 @@
+"""The tuner's model (core/tuner_model.py), its judge under noise (core/tuner_judge.py) and
+the rules that use them (core/tuner_rules.py), on simulated pipelines of every kind the
+tuner must handle: CPU-bound samples with a trivial or a real step, samples blocked on
+storage, a step that waits off the CPU. The real loop is test_tuner_loader.py's."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from dataloader_exporter.core import tuner_judge
+from dataloader_exporter.core.tuner_judge import Judge
+from dataloader_exporter.core.tuner_model import Load, ceiling, choose, predict
+from dataloader_exporter.core.tuner_rules import Budget, Epoch, Setting, Tuner
+
+GiB = 1 << 30
+BATCH = 32
+
+
+@dataclass(frozen=True)
+class Pipe:
+    """A pipeline's truth, per batch: `fetch` seconds to make it, `cpu` of them on a CPU,
+    a step of `loop` seconds, `loop_cpu` of them on a CPU, on `cpus` cores; `ipc`: CPU
+    the training process spends per batch taking it from a worker; `noise`: the
+    relative spread of a window's measured rate."""
+
+    fetch: float
+    cpu: float
+    loop: float
+    loop_cpu: float
+    cpus: float = 2.0
+    ipc: float = 0.0002
+    noise: float = 0.0
+
+    def true_rate(self, n: int) -> float:
+        """Batches/s with n workers."""
+        if n == 0:
+            return 1 / (self.fetch + self.loop)
+        return min(n / self.fetch, 1 / self.loop if self.loop else math.inf,
+                   self.cpus / (self.cpu + self.loop_cpu + self.ipc))
+
+    def window(self, s: Setting, rng: random.Random) -> Epoch:
+        """What a window under `s` measures."""
+        n = s.workers
+        rate = self.true_rate(n) * (1 + rng.uniform(-self.noise, self.noise))
+        stall = max(0.0, 1 - rate * self.loop)
+        if n == 0:
+            load = Load(self.fetch, self.cpu, self.loop, self.loop_cpu)
+            return Epoch(s, rate * BATCH, stall, worker_bytes=GiB // 8, batch_bytes=1 << 20,
+                         burstiness=1.5, load=load)
+        demand = n * self.cpu / self.fetch + rate * self.loop_cpu  # cores wanted
+        waiting = max(0.0, 1 - self.cpus / demand) if demand > self.cpus else 0.0
+        busy = min(1.0, rate * self.fetch / n)  # share of its time a worker makes batches
+        running = busy * self.cpu / self.fetch * (1 - waiting)
+        blocked = max(0.0, 1 - running - waiting)
+        load = Load(self.fetch, self.cpu, self.loop, self.loop_cpu + self.ipc)
+        return Epoch(s, rate * BATCH, stall, running, waiting, blocked, GiB // 8, 1 << 20,
+                     1.5, load=load)
+
+
+CPU_TRIVIAL = Pipe(fetch=0.010, cpu=0.010, loop=0.0001, loop_cpu=0.0001)
+CPU_STEP = Pipe(fetch=0.010, cpu=0.010, loop=0.012, loop_cpu=0.012)
+STORAGE = Pipe(fetch=0.096, cpu=0.005, loop=0.0005, loop_cpu=0.0005)
+GPU_WAIT = Pipe(fetch=0.030, cpu=0.030, loop=0.020, loop_cpu=0.001)
+CLASSES = {"cpu-trivial": CPU_TRIVIAL, "cpu-step": CPU_STEP, "storage": STORAGE,
+           "gpu-wait": GPU_WAIT}
+
+
+def budget_for(pipe: Pipe, s: Setting, limit: int | None = None) -> Budget:
+    return Budget(max(1, int(pipe.cpus) - 1), 32 * GiB - s.workers * GiB // 8, 16 * GiB,
+                  pipe.cpus, limit)
+
+
+def tune(pipe: Pipe, windows: int, seed: int = 0, start: int = 0,
+         limit: int | None = None) -> tuple[Tuner, list[Setting]]:
+    rng = random.Random(seed)
+    tuner = Tuner(Setting(start, 2))
+    settings = []
+    for _ in range(windows):
+        s = tuner.current
+        settings.append(s)
+        tuner.observe(pipe.window(s, rng), budget_for(pipe, s, limit))
+    return tuner, settings
+
+
+def best_fixed(pipe: Pipe) -> float:
+    return max(pipe.true_rate(n) for n in range(0, ceiling(pipe.cpus) + 1))
+
+
+def test_the_model_has_three_limits_and_no_workers_take_turns_with_the_loop() -> None:
+    load = Load(fetch_s=0.010, fetch_cpu_s=0.010, loop_s=0.005, loop_cpu_s=0.005)
+    assert predict(load, 0, 2) == pytest.approx(1 / 0.015)
+    assert predict(load, 1, 2) == pytest.approx(100)  # what one worker makes
+    assert predict(load, 4, 2) == pytest.approx(2 / 0.015)  # the cores, shared with the loop
+    assert predict(load, 4, 8) == pytest.approx(200)  # the loop's own pace
+    unmeasured = Load(0.010, 0.010, 0.005)  # the loop's CPU unknown: all of its step
+    assert predict(unmeasured, 4, 2) == pytest.approx(2 / 0.015)
+
+
+@pytest.mark.parametrize(("pipe", "want"), [
+    (CPU_TRIVIAL, 2),  # the cores, not one by rote
+    (CPU_STEP, 1),  # the step takes longer than a batch: one worker keeps up
+    (STORAGE, ceiling(2)),  # blocked workers go past the cores, to the ceiling
+    (GPU_WAIT, 2),  # 30 ms batches for a 20 ms step
+])
+def test_the_model_chooses_the_smallest_count_that_removes_the_wait(
+        pipe: Pipe, want: int) -> None:
+    load = Load(pipe.fetch, pipe.cpu, pipe.loop, pipe.loop_cpu)
+    assert choose(load, pipe.cpus) == want
+
+
+def test_no_workers_where_the_cores_are_the_limit_and_the_cap_bounds_the_rest() -> None:
+    # One core, as busy with the step as with the batches: workers only share it.
+    assert choose(Load(0.010, 0.010, 0.010, 0.010), 1) == 0
+    assert choose(Load(0.096, 0.005, 0.0005, 0.0005), 2, cap=5) == 5
+    assert ceiling(2) == 16 and ceiling(64) == 128 and ceiling(0.5) == 8
+
+
+@pytest.mark.parametrize("name", sorted(CLASSES))
+def test_each_class_gets_the_best_fixed_setting_within_three_windows(name: str) -> None:
+    pipe = CLASSES[name]
+    tuner, settings = tune(pipe, 6)
+    assert tuner.stable
+    # The first move from no workers goes where the model says, never to one by rote.
+    assert settings[1].workers == choose(Load(pipe.fetch, pipe.cpu, pipe.loop,
+                                              pipe.loop_cpu), pipe.cpus)
+    assert pipe.true_rate(settings[3].workers) >= 0.9 * best_fixed(pipe), settings
+    assert len({s.workers for s in settings[3:]}) == 1  # and it stays
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("name", sorted(CLASSES))
+def test_under_noise_it_ends_within_a_tenth_of_the_best_and_does_not_oscillate(
+        name: str, seed: int) -> None:
+    pipe = Pipe(**{**CLASSES[name].__dict__, "noise": 0.08})
+    tuner, settings = tune(pipe, 16, seed)
+    assert tuner.stable
+    assert pipe.true_rate(tuner.current.workers) >= 0.9 * best_fixed(pipe), settings
+    changes = sum(1 for a, b in itertools.pairwise(settings) if a != b)
+    assert changes <= 4, settings
+
+
+def test_blocked_workers_are_bounded_by_the_open_file_limit_and_memory() -> None:
+    _, settings = tune(STORAGE, 3, limit=6)
+    assert settings[1].workers == 6
+    tuner = Tuner(Setting(0, 2))
+    epoch = STORAGE.window(Setting(0, 2), random.Random(0))
+    decision = tuner.observe(epoch, Budget(1, 5 * GiB // 8, 16 * GiB, 2.0))
+    assert decision is not None and decision.setting.workers == 5  # 5 workers' memory
+
+
+def test_a_trial_within_the_noise_is_measured_again_before_it_is_judged() -> None:
+    judge = Judge()
+    assert judge.verdict(103, 100, more=True) == ("again", 103)  # under the 5% bar
+    verdict, rate = judge.verdict(101, 100, more=True)
+    assert verdict == "undo" and rate == pytest.approx(102)  # still not faster by the bar
+    assert judge.verdict(120, 100, more=True)[0] == "keep"
+    assert judge.verdict(99, 100, more=True)[0] == "undo"  # no faster at all
+    assert Judge().verdict(97, 100, more=False)[0] == "keep"  # fewer, as fast
+    assert Judge().verdict(80, 100, more=False)[0] == "undo"
+
+
+def test_measured_noise_raises_the_bar() -> None:
+    judge = Judge()
+    for rate in (100, 116, 92):  # one setting seen three times: +-12%
+        judge.saw("a", rate)
+    assert judge.noise() == pytest.approx(12 / 104)
+    assert judge.bar() == pytest.approx(2 * 12 / 104)
+    assert judge.verdict(115, 100, more=True)[0] == "again"  # within the noise
+
+
+def test_a_settled_setting_is_tuned_again_only_when_its_rate_stays_low() -> None:
+    tuner, _ = tune(CPU_TRIVIAL, 5)
+    assert tuner.stable
+    settled, s = tuner.settled_rate, tuner.current
+    budget = budget_for(CPU_TRIVIAL, s)
+    # The storage behind the samples slowed down: batches now wait on it.
+    slow = Epoch(s, settled * 0.7, 0.5, 0.05, 0.0, 0.95, GiB // 8, 1 << 20, 1.5,
+                 load=Load(0.040, 0.002, 0.0001, 0.0001))
+    assert tuner.observe(Epoch(s, settled * 0.7, 0.0), budget) is None  # loop not waiting
+    assert tuner.stable
+    assert tuner.observe(slow, budget) is None and tuner.stable  # one slow window: noise
+    for _ in range(tuner_judge.DRIFT_WINDOWS - 2):
+        assert tuner.observe(slow, budget) is None
+    decision = tuner.observe(slow, budget)
+    assert not tuner.stable  # tuning again, from the figures now
+    assert decision is not None and decision.setting.workers > s.workers
