@@ -271,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # 2 OpenMP threads on 2 vCPUs stall when a third thread runs
     t0 = perf_counter()
     step, step_s = make_step(0.005)
-    # Short rounds, many of them: pairing cancels slow drift.
-    cheap_w = Workload("cheap", 500 if args.quick else 5000, 1, None, 6 if args.quick else 24, 3)
+    # Short rounds, many of them: pairing cancels slow drift (and a busy neighbour's bursts,
+    # which last longer than a round of 1,000 cheap batches, about 20 ms).
+    cheap_w = Workload("cheap", 500 if args.quick else 1000, 1, None, 6 if args.quick else 120,
+                       3 if args.quick else 15)
     real_w = Workload("realistic", 25, 32, step, 8 if args.quick else 80, 4)
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} "
           f"CPUs, 1 torch thread")

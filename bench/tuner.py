@@ -1,26 +1,30 @@
-"""Whether the loader tuner finds the best worker count: next to fixed counts, in
-one run (the goal: tuned samples/s at least 0.90 of the best fixed count's).
+"""Whether the loader tuner finds the best worker count for every kind of input pipeline:
+next to fixed settings, in one run (the goal: tuned samples/s at least 0.90 of the best
+fixed setting's, in every class).
 
-The workload is the demo's: a map-style dataset whose samples cost real CPU work (rendering
-and filtering a noisy image, --work filter passes) and an SGD step of comparable cost,
-one torch thread in the main process. Loaders, all instrumented into one registry:
+Classes (map-style datasets, so the tuner changes the pool mid-epoch, in windows):
 
-  fixed N   num_workers=N for N in 0 .. budget + 1, where budget is the cores the tuner may
-            give this rank's workers (advisor.worker_cores: one per core, less one for the
-            loop on the CPU); its own model and optimizer
-  tuned     tune=True from num_workers=0: it changes its settings at each iter()
+  cpu-trivial  samples that cost CPU (a Python loop), a step that does nothing
+  cpu-step     the demo's samples (rendering and filtering an image) and its SGD step
+  storage      samples that wait on storage (a few ms each, as on NFS or an object store)
+               and take little CPU: the workers are blocked, not busy
+  gpu-wait     CPU samples and a step that waits off the CPU (as a loop waiting on its GPU)
+  busy         cpu-trivial beside a busy-loop process (`python -c "while True: pass"`)
 
-Every loader runs one epoch a round, in an order that rotates each round, so the machine's
-drift hits all alike. None keeps its workers between epochs (persistent_workers=False: a
-pool cannot be persistent at num_workers=0, where the tuned loader starts), so each count
-pays the same worker start-up. A figure is samples/s over whole epochs (iter() to the last
-step), summed over the measured rounds: those from the first epoch the tuned loader began
-settled (its dataloader_tuner_stable gauge, read after its iter()) to the end, for every
-loader alike; a tuner still trying at the end is measured over the last round only, and
-said so.
+For each class every fixed num_workers (0 to past the cores; up to 16 where workers are
+blocked) runs for --fixed seconds, before and after the tuned loader (the mean of both,
+so the machine's drift hits all alike), each with persistent workers, its first second not
+measured (the pool's start). The tuned loader starts from num_workers=0 and runs for --tuned
+seconds; it is measured over the second half of its run (the first half is where it
+tunes; its settings are printed). All loaders of a class are instrumented into one
+registry, as a job's are.
 
-    python bench/tuner.py [--quick] [--strict] [--rounds 10] [--samples 512] [--batch 32]
-                          [--work 8]
+--long: one epoch of about 60 s over the cpu-trivial class, tuned mid-epoch from
+num_workers=0, against the best fixed setting measured just before: its samples/s over the
+whole epoch (goal: at least 0.85 of the best), and its sequence of sample indices against
+an untuned torch DataLoader's with the same generator (goal: equal).
+
+    python bench/tuner.py [--quick] [--strict] [--classes cpu-trivial,storage] [--long]
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,131 +45,258 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 from prometheus_client import CollectorRegistry
+from torch.utils.data import Dataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import advisor
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core.envnames import ENV_DIR
-from dataloader_exporter.demo import BATCH, NoisyImages, model, train_step, tuner_settled
-from dataloader_exporter.instrument.tuner_epoch import MIN_BATCHES
+from dataloader_exporter.demo import NoisyImages, model, train_step
 
-MIN_RATIO = 0.90  # the goal: tuned samples/s over the best fixed count's
-TUNED = "tuned"
+MIN_RATIO = 0.90  # tuned samples/s over the best fixed setting's, every class
+MIN_LONG = 0.85  # the 60-s epoch: tuned over the whole epoch, over the best fixed
+BATCH = 16
+WARM = 1.0  # seconds of a fixed setting's run not measured: its pool's start
+
+
+def burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class CpuSamples(Dataset[tuple[int, torch.Tensor]]):
+    """Each sample costs `cpu` seconds of CPU; returns its index and a small tensor."""
+
+    def __init__(self, n: int, cpu: float) -> None:
+        self.n, self.cpu = n, cpu
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        burn(self.cpu)
+        return i, torch.full((64,), float(i))
+
+
+class StorageSamples(CpuSamples):
+    """Each sample waits `wait` seconds (storage latency), then costs `cpu` of CPU."""
+
+    def __init__(self, n: int, wait: float, cpu: float) -> None:
+        super().__init__(n, cpu)
+        self.wait = wait
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        time.sleep(self.wait)
+        return super().__getitem__(i)
+
+
+class DemoSamples(Dataset[tuple[int, torch.Tensor]]):
+    def __init__(self, n: int) -> None:
+        self.images = NoisyImages(n)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        return i, self.images[i][0]
+
+
+@dataclass
+class Kind:
+    name: str
+    dataset: Callable[[int], Dataset[Any]]
+    step: Callable[[Any, Any], None]
+    fixed: tuple[int, ...]
+    busy: bool = False
+
+
+def nothing(loader: Any, batch: Any) -> None:
+    pass
+
+
+def sleep_step(loader: Any, batch: Any) -> None:
+    time.sleep(0.012)  # the loop waits on its GPU: off the CPU
+
+
+class DemoStep:
+    def __init__(self) -> None:
+        self.net = model()
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.05)
+
+    def __call__(self, loader: Any, batch: Any) -> None:
+        _, x = batch
+        train_step(self.net, self.opt, loader, (x.view(-1, 3, 64, 64),
+                                                torch.zeros(len(x), dtype=torch.long)))
+
+
+def kinds(cores: int) -> dict[str, Kind]:
+    cpu_counts = tuple(range(0, cores + 2))
+    return {
+        "cpu-trivial": Kind("cpu-trivial", lambda n: CpuSamples(n, 0.0005), nothing,
+                            cpu_counts),
+        "cpu-step": Kind("cpu-step", DemoSamples, DemoStep(), cpu_counts),
+        "storage": Kind("storage", lambda n: StorageSamples(n, 0.004, 0.0002), nothing,
+                        (0, 1, 2, 4, 8, 16)),
+        "gpu-wait": Kind("gpu-wait", lambda n: CpuSamples(n, 0.0005), sleep_step,
+                         cpu_counts),
+        "busy": Kind("busy", lambda n: CpuSamples(n, 0.0005), nothing, cpu_counts, busy=True),
+    }
 
 
 class Run:
-    """One loader under test, its own model, and its epochs' samples and seconds."""
+    """One loader and its batches, iterated for slices of time across epochs."""
 
-    def __init__(self, name: str, samples: int, batch: int, work: int,
-                 registry: CollectorRegistry, **kwargs: Any) -> None:
-        self.name = name
-        self.loader: instrument.DataLoader[tuple[torch.Tensor, int]] = instrument.DataLoader(
-            NoisyImages(samples, work), batch_size=batch, shuffle=True, name=name,
-            registry=registry, **kwargs)
-        self.net = model()
-        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.05)
-        self.epochs: list[tuple[int, float]] = []  # (samples, seconds)
-        self.settled_at: int | None = None  # the first round its tuner began settled
+    def __init__(self, kind: Kind, name: str, registry: CollectorRegistry, workers: int,
+                 tune: bool = False, samples: int = 1 << 20) -> None:
+        self.kind = kind
+        self.loader: Any = instrument.DataLoader(
+            kind.dataset(samples), batch_size=BATCH, shuffle=True, name=name,
+            registry=registry, num_workers=workers, persistent_workers=workers > 0,
+            tune=tune, generator=torch.Generator().manual_seed(1))
+        self._it: Iterator[Any] | None = None
 
-    def epoch(self, registry: CollectorRegistry, round_: int) -> None:
+    def run(self, seconds: float, skip: float = 0.0) -> float:
+        """Samples/s over `seconds`, the first `skip` seconds not counted."""
         start = time.perf_counter()
-        it = iter(self.loader)  # where the tuner changes the settings, or settles
-        if self.settled_at is None and self.loader.tune and tuner_settled(registry, self.name):
-            self.settled_at = round_
-        seen = 0
-        for batch in it:
-            train_step(self.net, self.opt, self.loader, batch)
-            seen += len(batch[1])
-        self.epochs.append((seen, time.perf_counter() - start))
+        counted_from, seen = start + skip, 0
+        while True:
+            now = time.perf_counter()
+            if now - start >= seconds:
+                break
+            if self._it is None:
+                self._it = iter(self.loader)
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                self._it = None
+                continue
+            self.kind.step(self.loader, batch)
+            if time.perf_counter() >= counted_from:
+                seen += len(batch[0])
+        return seen / max(1e-9, time.perf_counter() - max(start, counted_from))
 
-    def rate(self, first: int) -> float:
-        """Samples/s over the epochs from round `first` on."""
-        done = self.epochs[first:]
-        return sum(n for n, _ in done) / sum(s for _, s in done)
-
-    def settings(self) -> dict[str, int]:
-        out = {"num_workers": self.loader.num_workers}
-        if self.loader.num_workers and self.loader.prefetch_factor is not None:
-            out["prefetch_factor"] = self.loader.prefetch_factor
-        return out
+    def close(self) -> None:
+        self._it = None
+        del self.loader
 
 
-def _changes(registry: CollectorRegistry, name: str) -> dict[str, float]:
-    """The tuner's changes as `setting/reason` -> count."""
+def changes(registry: CollectorRegistry, name: str) -> dict[str, float]:
     out = {}
     for fam in registry.collect():
         for s in fam.samples:
             if (s.name == cat.TUNER_CHANGES.name and s.labels.get("loader") == name
-                    and s.value):  # each pair starts at 0
+                    and s.value):
                 out[f"{s.labels['setting']}/{s.labels['reason']}"] = s.value
     return out
 
 
+def busy_loop() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def one_class(kind: Kind, fixed_s: float, tuned_s: float) -> dict[str, Any]:
+    registry = CollectorRegistry()
+    hog = busy_loop() if kind.busy else None
+    try:
+        fixed: dict[int, list[float]] = {n: [] for n in kind.fixed}
+        for n in kind.fixed:
+            run = Run(kind, f"{kind.name}-{n}", registry, n)
+            fixed[n].append(run.run(fixed_s, WARM))
+            run.close()
+        tuned = Run(kind, f"{kind.name}-tuned", registry, 0, tune=True)
+        t0 = time.perf_counter()
+        tuned.run(tuned_s / 2)
+        tuned_rate = tuned.run(tuned_s / 2)
+        settings = {"num_workers": tuned.loader.num_workers,
+                    "prefetch_factor": tuned.loader.prefetch_factor}
+        took = time.perf_counter() - t0
+        tuned.close()
+        for n in reversed(kind.fixed):
+            run = Run(kind, f"{kind.name}-{n}b", registry, n)
+            fixed[n].append(run.run(fixed_s, WARM))
+            run.close()
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+    means = {n: sum(v) / len(v) for n, v in fixed.items()}
+    best = max(means, key=lambda n: means[n])
+    return {"fixed": {str(n): round(v, 1) for n, v in means.items()}, "best": best,
+            "tuned": round(tuned_rate, 1), "tuned_settings": settings,
+            "ratio": round(tuned_rate / means[best], 3), "tuned_seconds": round(took, 1),
+            "changes": changes(registry, f"{kind.name}-tuned")}
+
+
+def long_epoch(kind: Kind, fixed_s: float, seconds: float) -> dict[str, Any]:
+    """One epoch of about `seconds` at the best fixed setting's rate, tuned from 0."""
+    registry = CollectorRegistry()
+    rates = {}
+    for n in kind.fixed:
+        run = Run(kind, f"long-{n}", registry, n)
+        rates[n] = run.run(fixed_s, WARM)
+        run.close()
+    best = max(rates, key=lambda n: rates[n])
+    samples = int(rates[best] * seconds)
+    tuned = Run(kind, "long-tuned", registry, 0, tune=True, samples=samples)
+    start = time.perf_counter()
+    order = [int(i) for batch in tuned.loader for i in batch[0]]
+    rate = samples / (time.perf_counter() - start)
+    settings = tuned.loader.num_workers
+    bare = torch.utils.data.DataLoader(range(samples), batch_size=BATCH, shuffle=True,
+                                       generator=torch.Generator().manual_seed(1))
+    expected = [int(i) for batch in bare for i in batch]
+    return {"samples": samples, "best": best, "best_rate": round(rates[best], 1),
+            "tuned_rate": round(rate, 1), "ratio": round(rate / rates[best], 3),
+            "same_order": order == expected, "tuned_workers": settings,
+            "changes": changes(registry, "long-tuned")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=10, help="epochs of each loader (10)")
-    ap.add_argument("--samples", type=int, default=512, help="samples an epoch (512)")
-    ap.add_argument("--batch", type=int, default=BATCH, help=f"batch size ({BATCH})")
-    ap.add_argument("--work", type=int, default=8,
-                    help="filter passes a sample: its CPU cost (8, the demo's)")
-    ap.add_argument("--quick", action="store_true",
-                    help=f"4 rounds of {MIN_BATCHES} batches, for a smoke run")
-    ap.add_argument("--strict", action="store_true",
-                    help=f"exit 1 when tuned/best is under {MIN_RATIO:.2f}")
+    ap.add_argument("--classes", default="cpu-trivial,cpu-step,storage,gpu-wait,busy")
+    ap.add_argument("--fixed", type=float, default=4.0, help="seconds per fixed setting (4)")
+    ap.add_argument("--tuned", type=float, default=48.0, help="seconds of the tuned run (48)")
+    ap.add_argument("--long", action="store_true", help="also the 60-s single epoch")
+    ap.add_argument("--quick", action="store_true", help="shorter runs, for a smoke run")
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
     args = ap.parse_args(argv)
-    batch = args.batch
-    rounds, samples = (4, MIN_BATCHES * batch) if args.quick else (args.rounds, args.samples)
-    if rounds < 2 or batch < 1 or samples < MIN_BATCHES * batch or args.work < 0:
-        ap.error(f"--rounds must be at least 2, --batch at least 1, --samples at least "
-                 f"{MIN_BATCHES} batches (the tuner judges no shorter epoch), --work >= 0")
-    os.environ.pop(ENV_DIR, None)  # no snapshot thread: the registry is local
-    torch.set_num_threads(1)  # as the demo: workers run one thread each too
-    budget = advisor.worker_cores(advisor.local_cpu(), 1, False)
-    registry = CollectorRegistry()
-    runs = [Run(f"fixed {n}", samples, batch, args.work, registry, num_workers=n)
-            for n in range(budget + 2)]
-    runs.append(Run(TUNED, samples, batch, args.work, registry, num_workers=0, tune=True))
-    tuned = runs[-1]
-    print(f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} "
-          f"CPUs, worker budget {budget}; {rounds} rounds of {samples} samples "
-          f"(batch {batch}, work {args.work}), 1 torch thread", flush=True)
-    t0 = time.perf_counter()
-    for r in range(rounds):
-        shift = r % len(runs)
-        for run in runs[shift:] + runs[:shift]:  # drift hits all alike
-            run.epoch(registry, r)
-        rates = ", ".join(f"{run.name} {run.rate(r):.0f}" for run in runs)
-        print(f"round {r + 1}/{rounds}: samples/s {rates} "
-              f"(tuned at {tuned.settings()})", flush=True)
-    settled = tuned.settled_at is not None
-    first = tuned.settled_at if tuned.settled_at is not None else rounds - 1
-    fixed = {int(run.name.split()[1]): run.rate(first) for run in runs[:-1]}
-    best = max(fixed, key=lambda n: fixed[n])
-    tuned_rate = tuned.rate(first)
-    ratio = tuned_rate / fixed[best]
-    over = f"rounds {first + 1}-{rounds}" if first < rounds - 1 else f"round {rounds}"
-    when = "after the tuner settled" if settled else "the tuner had not settled"
-    print(f"\nsamples/s over {over} ({when}); benchmark took "
-          f"{time.perf_counter() - t0:.0f} s")
-    for n, rate in fixed.items():
-        print(f"  {f'num_workers={n}':<16}{rate:8.0f}{'  best' if n == best else ''}")
-    changes = _changes(registry, TUNED)
-    print(f"  {'tuned':<16}{tuned_rate:8.0f}  from num_workers=0 to {tuned.settings()}; "
-          f"changes {changes or 'none'}")
-    print(f"  tuned / best = {ratio:.2f}")
-    checks = {f"tuned/best >= {MIN_RATIO:.2f}": ratio >= MIN_RATIO, "tuner settled": settled}
+    fixed_s, tuned_s, long_s = ((2.0, 10.0, 20.0) if args.quick
+                                else (args.fixed, args.tuned, 60.0))
+    os.environ.pop(ENV_DIR, None)  # no snapshot thread: the registries are local
+    torch.set_num_threads(1)
+    cores = advisor.local_cpu().usable
+    table = kinds(cores)
+    chosen = [c for c in args.classes.split(",") if c]
+    unknown = [c for c in chosen if c not in table]
+    if unknown:
+        ap.error(f"unknown classes {unknown}; known: {', '.join(table)}")
+    print(f"torch {torch.__version__}, Python {platform.python_version()}, {cores} usable "
+          f"cores, batch {BATCH}; fixed {fixed_s:g} s twice, tuned {tuned_s:g} s",
+          flush=True)
+    results: dict[str, Any] = {}
+    checks: dict[str, bool] = {}
+    for name in chosen:
+        r = one_class(table[name], fixed_s, tuned_s)
+        results[name] = r
+        fixed = ", ".join(f"{n}: {v:.0f}" for n, v in r["fixed"].items())
+        print(f"{name:<12} fixed samples/s {{{fixed}}}; tuned {r['tuned']:.0f} at "
+              f"{r['tuned_settings']} = {r['ratio']:.2f} of the best ({r['best']}); "
+              f"changes {r['changes']}", flush=True)
+        checks[f"{name}: tuned/best >= {MIN_RATIO:.2f}"] = r["ratio"] >= MIN_RATIO
+    if args.long:
+        r = long_epoch(table["cpu-trivial"], fixed_s, long_s)
+        results["long"] = r
+        print(f"long epoch  {r['samples']} samples: tuned {r['tuned_rate']:.0f}/s = "
+              f"{r['ratio']:.2f} of the best fixed ({r['best']}: {r['best_rate']:.0f}/s), "
+              f"ended at {r['tuned_workers']} workers; same order: {r['same_order']}",
+              flush=True)
+        checks[f"long: tuned/best >= {MIN_LONG:.2f}"] = r["ratio"] >= MIN_LONG
+        checks["long: same sample order as untuned"] = r["same_order"]
     for label, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {label}")
-    result = {"fixed": {str(n): round(v, 1) for n, v in fixed.items()}, "best": best,
-              "tuned": {"samples_per_s": round(tuned_rate, 1), "settings": tuned.settings(),
-                        "settled_round": first + 1 if settled else None,
-                        "changes": changes},
-              "ratio": round(ratio, 4), "budget": budget, "rounds": rounds,
-              "measured_rounds": rounds - first, "samples": samples, "batch": batch,
-              "work": args.work,
-              "quick": args.quick, "torch": torch.__version__,
-              "python": platform.python_version(), "cpus": os.cpu_count(), "checks": checks}
-    print(json.dumps(result, sort_keys=True))
+    print(json.dumps({"results": results, "checks": checks, "cores": cores,
+                      "quick": args.quick, "torch": torch.__version__}, sort_keys=True))
     return 1 if args.strict and not all(checks.values()) else 0
 
 

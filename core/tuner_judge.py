@@ -5,8 +5,9 @@ mean, the largest over the settings seen twice or more. A trial is judged on the
 its windows against the best setting's rate, with a bar of twice the noise (at least
 MIN_GAIN):
 
-- more (workers, queue): kept when at least the bar faster; undone when no faster at
-  all; in between, measured again (up to RETRIES more windows), then undone;
+- more (workers, queue): kept when at least the bar faster; otherwise measured again (up
+  to RETRIES more windows: one bad window on a busy machine does not rule a direction
+  out), then undone;
 - fewer: kept when no more than MIN_GAIN slower (the same speed with fewer workers is a
   gain in itself); undone when more than the bar slower; in between, measured again.
 
@@ -62,7 +63,7 @@ class Judge:
             return "keep", mean
         gain, bar = mean / best - 1, self.bar()
         if more:
-            verdict: Verdict = ("keep" if gain >= bar else "undo" if gain <= 0 else "again")
+            verdict: Verdict = "keep" if gain >= bar else "again"
         else:
             verdict = ("keep" if gain >= -MIN_GAIN else "undo" if gain < -bar else "again")
         if verdict == "again" and len(self.trial) > RETRIES:

@@ -1,6 +1,6 @@
-"""The loader tuner's decisions: from one epoch's measured figures to the next epoch's
-num_workers and prefetch_factor, or to no change. Pure: the instrumentation feeds it what
-it measured at each epoch's iter() and applies what it decides between iterators.
+"""The loader tuner's decisions: from one window's measured figures (an epoch, or a few
+seconds of one) to the next window's num_workers and prefetch_factor, or to no change.
+Pure: the instrumentation feeds it what it measured and applies what it decides.
 
 Rules, from measured figures only (a figure that is unknown blocks the move it would
 justify, never guesses it):
@@ -15,17 +15,15 @@ justify, never guesses it):
   while the workers run most of their time, up to the rank's cores;
 - fewer workers when CPU-bound workers outnumber the rank's cores or wait for a CPU, or
   when memory would not hold them; never none, for a loader that has workers;
-- a deeper queue (prefetch_factor) when the loop waits although the workers are not busy
-  and the wait comes in bursts (its 95th percentile far above its median);
-- every change but a cut for memory is a trial, judged on the next window (an epoch, or
-  a few seconds of one where the pool can change mid-epoch) under the noise measured
-  (core/tuner_judge.py): kept, undone (the tuner goes back to the best and stops moving
-  that way), or measured once more when within the noise. So a job is never slower than
-  its own settings for longer than a window or two.
-  After MAX_TRIALS, or when no rule fires, it is stable and stays: no oscillation (where
-  the loop waits but the workers' shares are not known yet, it waits UNSEEN_EPOCHS
-  epochs for them first). A stable setting whose rate drifts well below its own while
-  the loop waits (the data, the machine or the storage changed) is tuned again.
+- a deeper queue (prefetch_factor) when the loop waits in bursts (its 95th percentile far
+  above its median) although the workers are not busy and make what the loop takes;
+- every change but a cut for memory is a trial, judged on the next window under the
+  noise measured (core/tuner_judge.py): kept, undone (the tuner goes back to the best and
+  stops moving that way), or measured once more. So a job is never slower than its own
+  settings for longer than a window or two.
+  After MAX_TRIALS, or when no rule fires, it is stable and stays (where the loop waits
+  but the workers' shares are not known yet, it waits UNSEEN_EPOCHS epochs for them), but
+  for drift: a rate well below its own while the loop waits tunes it again.
 """
 
 from __future__ import annotations
@@ -42,15 +40,15 @@ MAX_PREFETCH = 8  # batches per worker: deeper queues only hold memory
 BURSTY = 4.0  # fetch wait p95 over its median at which the wait comes in bursts
 BUSY = 0.5  # workers running at least this share of their time are the bottleneck
 UNSEEN_EPOCHS = 2  # epochs to wait for unknown worker shares before settling
+REPROBE = 3  # settled windows in a row that ask for more workers: try once more
 
 
 # Why a setting changed: the loop waited on busy workers; they waited for a CPU; more
 # workers than this rank's cores; memory would not hold them; the wait came in bursts;
 # a trial did not help.
 REASONS = ("starved", "cpu-contention", "cores", "memory", "bursty", "reverted")
-# The reasons each setting can change for.
 REASONS_OF = {"num_workers": ("starved", "cpu-contention", "cores", "memory", "reverted"),
-              "prefetch_factor": ("bursty", "reverted")}
+              "prefetch_factor": ("bursty", "reverted")}  # why each setting can change
 
 
 @dataclass(frozen=True)
@@ -127,6 +125,7 @@ class Tuner:
     _unit: str = "samples"  # what the rates count
     _judge: Judge = field(default_factory=Judge)
     settled_rate: float = 0.0  # the rate it settled at, against which drift is judged
+    _doubts: int = 0  # windows running in which a ruled-out direction looked worth it
 
     def __post_init__(self) -> None:
         self.current = self.start
@@ -141,8 +140,9 @@ class Tuner:
             self._unit, self.best_rate, self._trying = epoch.unit, 0.0, None
             self._judge = Judge()
         if self.stable:
-            if not self.workers or not self._judge.drifted(
-                    epoch.samples_per_s, self.settled_rate, epoch.stall >= bands.MODERATE):
+            if not self.workers or not (self._judge.drifted(
+                    epoch.samples_per_s, self.settled_rate, epoch.stall >= bands.MODERATE)
+                    or self._doubted(epoch, budget)):
                 return None
             self.retune(epoch.samples_per_s)  # the figures drifted: tune again
         self.budget = budget
@@ -184,15 +184,25 @@ class Tuner:
         self.current = decision.setting
         return decision
 
+    def _doubted(self, epoch: Epoch, budget: Budget) -> bool:
+        """Whether more workers, ruled out, look worth a second look: REPROBE windows
+        running the loop waited and the model asked for more."""
+        self.budget = budget
+        grow = (epoch.stall >= bands.MODERATE and "num_workers+" in self._exhausted
+                and self._modelled(epoch) and epoch.load is not None
+                and choose(epoch.load, budget.cpus or 1.0, self._cap(epoch))
+                > epoch.setting.workers)
+        self._doubts = self._doubts + 1 if grow else 0
+        return self._doubts >= REPROBE
+
     def _settle(self, rate: float) -> None:
         self.stable = True
         self.settled_rate = rate
 
     def retune(self, rate: float) -> None:
-        """Tunes again from the current setting, whose rate is now `rate`: the directions
-        ruled out, the trials counted and the rates seen are forgotten."""
+        """Tunes again from the current setting (its rate now `rate`), all else forgotten."""
         self.stable = False
-        self.trials, self._unseen, self._trying = 0, 0, None
+        self.trials, self._unseen, self._trying, self._doubts = 0, 0, None, 0
         self._exhausted.clear()
         self._judge = Judge()
         self.best, self.best_rate = self.current, rate
@@ -316,7 +326,9 @@ class Tuner:
         if (not self.prefetch or s.workers == 0 or "prefetch_factor+" in self._exhausted
                 or epoch.stall < bands.MODERATE or epoch.burstiness is None
                 or epoch.burstiness < BURSTY or epoch.running is None
-                or epoch.running >= BUSY or s.prefetch >= MAX_PREFETCH):
+                or epoch.running >= BUSY or s.prefetch >= MAX_PREFETCH
+                or (epoch.load is not None  # the workers make less than the loop takes
+                    and s.workers * epoch.load.loop_s < epoch.load.fetch_s)):
             return None
         want = min(MAX_PREFETCH, 2 * s.prefetch)
         if self._room_for(epoch, s.workers, want) is not None:

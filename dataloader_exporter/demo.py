@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     for r in starved.diagnosis.recommendations:
         print(f"  {r.setting}={r.value}: {r.why}")
     tuned = run_phase("tuned", recommended(starved.diagnosis), third, args.samples)
-    print("\nauto: from num_workers=0, the loader tunes itself between epochs (tune=True)",
+    print("\nauto: from num_workers=0, the loader tunes itself (tune=True)",
           flush=True)
     auto = run_phase("auto", {"num_workers": 0}, third, args.samples, tune=True)
     print()

@@ -71,3 +71,28 @@ def shut_down(loader: Any, iterator: Any) -> bool:
     finally:  # even a failed shutdown leaves no pool for torch's next iter() to reuse
         loader._iterator = None
     return True
+
+
+def take_indices(iterator: Any) -> Any:
+    """The rest of a map-style iterator's sampler iterator, taken from it: torch 2.13
+    draws each batch's indices from ``_sampler_iter`` (since 1.x). The iterator is left an
+    empty one, so it hands out what its workers have in flight and then ends, as at the
+    end of an epoch. None, and nothing taken, when the attribute is missing."""
+    rest = getattr(iterator, "_sampler_iter", None)
+    if rest is None:
+        return None
+    iterator._sampler_iter = iter(())
+    return rest
+
+
+def index_sampler_attr(loader: Any) -> str:
+    """The loader attribute torch's iterator takes its indices from (``_index_sampler``):
+    the batch sampler with automatic batching, else the sampler."""
+    return "batch_sampler" if getattr(loader, "batch_sampler", None) is not None else "sampler"
+
+
+def give_index_sampler(iterator: Any, sampler: Any) -> None:
+    """Sets the sampler a torch iterator reports its length from and draws the next
+    epoch's indices from (``_index_sampler``, torch 2.13, since 1.x)."""
+    if hasattr(iterator, "_index_sampler"):
+        iterator._index_sampler = sampler

@@ -180,6 +180,15 @@ def _count(batch: Any, lone: bool, evidence: bool, depth: int) -> int | None:
 
 def batch_nbytes(batch: Any) -> int:
     """Bytes of all tensors in a (nested) batch."""
+    t = type(batch)
+    if t is list or t is tuple:  # default_collate's usual batch: a flat list of tensors
+        flat = 0
+        for x in batch:
+            if type(x) is not Tensor:
+                break
+            flat += x.nbytes
+        else:
+            return flat
     total = 0
 
     def visit(t: Tensor) -> Tensor:

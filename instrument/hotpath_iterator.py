@@ -3,8 +3,10 @@
 TimedIterator times each next() of torch's iterator (or of a loader held from outside)
 with one perf_counter_ns pair and records the result as plain integers on the loader's
 recorder (hotpath_recorder.py): two deque appends and a few integer updates a batch, no
-lock, file or GPU synchronisation. Everything that happens less often (the first batch,
-the end of an epoch, an error, the tuner's readings) goes to the loader's Instruments.
+lock, file or GPU synchronisation; a full batch of a loader whose batches hold a fixed
+size is counted without walking it (TimedIterator._arm). Everything that happens less
+often (the first batch, the end of an epoch, an error, the tuner's readings) goes to the
+loader's Instruments.
 How the iterator is built, at iter(): iter_start.py.
 """
 
@@ -12,13 +14,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from time import perf_counter_ns
+from time import perf_counter_ns, thread_time_ns
 from typing import Any
 
 from .hotpath_batch import batch_nbytes, loader_len
 from .instruments import Instruments, reraise_torch_worker_error
 
 Counter = Callable[[Any], "int | None"]
+# (batch size, sampler) of a loader whose every batch but an epoch's last holds the batch
+# size and whose sampler yields len(sampler) indices (iter_start.fixed_size).
+FullBatches = tuple[int, Any]
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
@@ -28,13 +33,19 @@ BYTES_EVERY = 64  # batches between two samples of the batch size in bytes
 class TimedIterator:
     """Times each next() of the iterator it holds; everything else passes through."""
 
-    __slots__ = ("__weakref__", "_count", "_done", "_gen", "_it", "_last", "_owner", "_probe",
-                 "_rec", "_resume", "_retry", "_start")
+    __slots__ = ("__weakref__", "_count", "_done", "_end", "_gen", "_it", "_last", "_mark",
+                 "_owner", "_probe", "_rec", "_resume", "_retry", "_size", "_sized", "_start")
 
     def __init__(self, it: Any, owner: Instruments, start_ns: int, gen: int = 0,
-                 count: Counter = loader_len) -> None:
+                 count: Counter = loader_len, sized: FullBatches | None = None) -> None:
         self._it = it
         self._count = count
+        # Full batches counted without a walk (_arm): while rec.batches < _mark, a batch
+        # holds _size samples and nothing else is due; 0: every batch takes the walk.
+        self._sized = sized
+        self._mark = 0
+        self._size = 0
+        self._end = 0
         self._owner = owner
         self._rec = owner.rec
         self._start = start_ns
@@ -59,6 +70,8 @@ class TimedIterator:
             self._finish(True)
             raise
         except Exception as e:
+            self._mark = 0  # a batch lost to an error: the full batches' count is off
+            self._sized = None
             retry, self._retry = self._retry, None
             again = retry(e) if retry is not None and not self._last else None
             if again is not None:  # the tuner's pool failed: the epoch without it
@@ -71,29 +84,60 @@ class TimedIterator:
         t1 = perf_counter_ns()
         rec = self._rec
         rec.fetch.append(t1 - t0)
-        if self._last:
-            rec.step.append(t0 - self._last)
+        last = self._last
+        if last:
+            rec.step.append(t0 - last)
         else:
             self._retry = None
             self._owner.first_batch(batch, t1 - self._start)
-        self._last = t1
-        rec.last_batch_ns = t1
-        rec.batches += 1
-        if rec.batches == self._probe:
+        self._last = rec.last_batch_ns = t1
+        b = rec.batches = rec.batches + 1
+        if b < self._mark:  # a full batch, with no probe and no bytes due (_arm)
+            rec.samples += self._size
+            return batch
+        if b == self._probe:
             self._probe = self._owner.probed(self._probe)
             if self._resume is not None:
                 self._resumed(self._resume)
+        n = None
         try:  # free in CPython 3.11 unless it raises; an odd batch must not stop training
             n = self._count(batch)
             if n is None:
                 rec.samples_known = False
             else:
                 rec.samples += n
-            if not rec.batches % BYTES_EVERY:
+            if not b % BYTES_EVERY:
                 rec.batch_bytes = batch_nbytes(batch)
         except Exception as e:
             reraise_torch_worker_error(e)
+        if self._sized is not None:
+            self._arm(b, n)
         return batch
+
+    def _arm(self, b: int, n: int | None) -> None:
+        """After a batch counted by its walk (n samples, rec.batches now b): the batches
+        up to the epoch's last full one (_end, in rec.batches) are counted as _size each,
+        but at each BYTES_EVERY-th batch. Armed at the first batch, only when it holds
+        the batch size and nothing else reads the loop (no tuner probe or resume); a
+        loader sharing the recorder only brings _end sooner, so the last, partial batch
+        and everything after _end is always walked."""
+        end = self._end
+        if not end:
+            size, sampler = self._sized  # type: ignore[misc]
+            try:
+                full = len(sampler) // size
+            except Exception:
+                full = 0
+            if n != size or full < 2 or self._probe or self._resume is not None:
+                self._sized = None
+                return
+            end = self._end = b + full - 1
+            self._size = size
+        if b >= end:
+            self._mark = 0
+            self._sized = None
+            return
+        self._mark = min(end + 1, (b // BYTES_EVERY + 1) * BYTES_EVERY)
 
     def _resumed(self, resume: Callable[[], tuple[Any, int, Counter] | None]) -> None:
         """The tuner's pending mid-epoch change, if any: the iterator from here on."""
@@ -129,6 +173,22 @@ class TimedIterator:
         if name.startswith("__") or name in TimedIterator.__slots__:
             raise AttributeError(name)
         return getattr(self._it, name)
+
+
+class CpuTimedIterator(TimedIterator):
+    """A tuned loader's iterator without workers: also the loop thread's CPU time in each
+    fetch, which tells the tuner's model how much of a batch's making is CPU work."""
+
+    __slots__ = ()
+
+    def __next__(self) -> Any:
+        c0 = thread_time_ns()
+        try:
+            return TimedIterator.__next__(self)
+        finally:
+            rec = self._rec
+            rec.fetch_cpu_ns += thread_time_ns() - c0
+            rec.fetch_cpu_n += 1
 
 
 class QuietIterator(TimedIterator):

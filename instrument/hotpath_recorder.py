@@ -99,6 +99,7 @@ class LoaderRecorder:
         # (CpuTimedIterator), and how many fetches it covers.
         self.fetch_cpu_ns = 0
         self.fetch_cpu_n = 0
+        self.loop_tid = 0  # the native id of the thread that last called iter() (tuned)
         self.on_flush: Callable[[], None] | None = None
         # Reader side.
         self.lock = threading.Lock()

@@ -6,7 +6,9 @@ batch but the timed transfer (hotpath_transfer.py)."""
 from __future__ import annotations
 
 import logging
+import operator
 import os
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +25,7 @@ from .hotpath_batch import batch_nbytes
 from .hotpath_recorder import LoaderRecorder
 from .hotpath_transfer import timed_to_device
 from .hub import Hub, hub_for
-from .preflight import LoaderConfig, Preflight
+from .preflight import LoaderConfig, Preflight, process_shm_size
 from .rank import current_rank, local_world_size
 
 if TYPE_CHECKING:  # the tuner is loaded for a tuned loader only
@@ -31,6 +33,7 @@ if TYPE_CHECKING:  # the tuner is loaded for a tuned loader only
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
+FINE_READ = 0.25  # seconds between readings of a loader tuned in windows mid-epoch
 PROBE_EVERY = 1 << 15  # batches between readings of a tuned epoch (hotpath_recorder.MAX_UNREAD / 4)
 WAIT_WRITE = 1.0  # seconds the loop's exception waits for the snapshot of a dead worker
 
@@ -49,6 +52,7 @@ class Instruments:
         self.tuning: LoaderTuning | None = None
         self._tune_checked = False
         self._probe_start = 0  # the batch count at the start of the tuned epoch
+        self._read_at = 0.0  # time.monotonic() of the tuner's last reading in the loop
         self._probe_last: int | None = None  # its next-to-last batch, when known
         self.registry = registry
         self.metrics_dir = metrics_dir
@@ -60,6 +64,10 @@ class Instruments:
         self.hub: Hub = hub_for(registry)
         self.preflight = Preflight(name)
         self.config = LoaderConfig(None, None, None, None, None)
+        # start_epoch's memo: the config's inputs, the config, and the recorder's labels
+        # made from it with the /dev/shm size they were made with.
+        self._inputs: tuple[Any, ...] = ()
+        self._labels: tuple[LoaderConfig, str, dict[str, str]] | None = None
         self.epochs = 0
         self._rec: LoaderRecorder | None = None
         self._last_it: weakref.ref[Any] | None = None  # the iterator whose workers we track
@@ -147,15 +155,22 @@ class Instruments:
         return self._next_probe(start)
 
     def _next_probe(self, at: int) -> int:
-        step = min(max(8, at - self._probe_start), PROBE_EVERY)
+        fine = self.tuning is not None and self.tuning.midepoch
+        step = 8 if fine else min(max(8, at - self._probe_start), PROBE_EVERY)
         last = self._probe_last
         if last is None:
             return at + step
         return 0 if at >= last else min(at + step, last)
 
     def probed(self, at: int) -> int:
-        """A probe_at count was reached: the loader's figures read now; the next count."""
-        self._read()
+        """A probe_at count was reached: the loader's figures read now; the next count.
+        A loader tuned in windows mid-epoch is probed every 8 batches, its figures read
+        at most every FINE_READ seconds (and at the next-to-last batch)."""
+        now = time.monotonic()
+        if (self.tuning is None or not self.tuning.midepoch or at == self._probe_last
+                or now - self._read_at >= FINE_READ):
+            self._read_at = now
+            self._read()
         return self._next_probe(at)
 
     def _read(self) -> None:
@@ -178,14 +193,21 @@ class Instruments:
         """At iter(): the loader's settings. The epoch itself starts at its first batch (a
         framework may call iter() to probe a loader and fetch nothing). again: the same
         iter() planned anew (the tuner undid or resumed a change), not one more."""
-        self.config = LoaderConfig.of(loader)
+        inputs = LoaderConfig.inputs(loader)
+        if len(inputs) != len(self._inputs) or not all(map(operator.is_, inputs, self._inputs)):
+            self.config = LoaderConfig.from_inputs(inputs)
+            self._inputs = inputs
         rec = self.rec
         if not again:
             rec.iters += 1
         rec.workers.report = self.failed  # failures are said with this loader's settings
-        shm = shm_space(SHM_PATH)  # the trainer's own, which a doctor elsewhere cannot see
-        rec.config = {"loader": self.name, "rank": rec.rank, **self.config.labels(),
-                      "dev_shm_bytes": str(shm.size) if shm else ""}
+        shm = process_shm_size()  # the trainer's own, which a doctor elsewhere cannot see
+        made = self._labels
+        if made is None or made[0] is not self.config or made[1] != shm:
+            made = self._labels = (self.config, shm, {
+                "loader": self.name, "rank": rec.rank, **self.config.labels(),
+                "dev_shm_bytes": shm})
+        rec.config = made[2]  # read-only to its readers (loader_collector.py)
         if self.config.num_workers == 0:
             rec.workers.blind = False
             if rec.workers.active is None:
@@ -227,6 +249,9 @@ class Instruments:
         self.epochs += 1
         rec.epochs += 1
         try:
+            self.preflight.tuned_workers = (self.tuning is not None
+                                            and "num_workers" in self.tuning.tuned
+                                            and not self.tuning.advice_only)
             self.preflight.on_iter(self.config, self.epochs)
         except Exception:  # advice must never stop training
             log.debug("preflight failed", exc_info=True)

@@ -6,21 +6,31 @@ given their one hook (hotpath_workerblock.py) while they start, and the TimedIte
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
+import warnings
 import weakref
 from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    Subset,
+    SubsetRandomSampler,
+    default_collate,
+)
 
 from dataloader_exporter.core.settings import log_name
 
 from . import compat
 from .hotpath_batch import batch_len, collated_len, item_len
-from .hotpath_iterator import Counter, QuietIterator, TimedIterator
+from .hotpath_iterator import Counter, CpuTimedIterator, FullBatches, QuietIterator, TimedIterator
 from .hotpath_workerblock import TimedCollate, new_block
 from .instruments import Instruments
 from .torch_originals import TORCH_ITER, lazy
@@ -36,6 +46,32 @@ def counter_for(loader: Any) -> Counter:
     if getattr(loader, "batch_sampler", None) is None:
         return item_len
     return collated_len if getattr(loader, "collate_fn", None) is default_collate else batch_len
+
+
+# torch's samplers whose len() is the number of indices they yield in an epoch.
+EXACT_SAMPLERS = (SequentialSampler, RandomSampler, SubsetRandomSampler, DistributedSampler)
+
+
+def fixed_size(loader: Any) -> FullBatches | None:
+    """(batch size, sampler) when every batch of an epoch but its last holds exactly the
+    batch size, in order, and the sampler yields len(sampler) indices: torch's
+    BatchSampler over one of EXACT_SAMPLERS, a dataset fetched one sample per index (no
+    __getitems__ of its own, or a Subset of such), and with workers, in_order. Else None:
+    each batch is walked (hotpath_iterator.TimedIterator._arm)."""
+    batches = getattr(loader, "batch_sampler", None)
+    if type(batches) is not BatchSampler:
+        return None
+    size, sampler = batches.batch_size, batches.sampler
+    if type(size) is not int or size < 1 or type(sampler) not in EXACT_SAMPLERS:
+        return None
+    if getattr(loader, "num_workers", 0) and getattr(loader, "in_order", True) is not True:
+        return None
+    dataset = getattr(loader, "dataset", None)
+    if type(dataset) is Subset:
+        dataset = dataset.dataset
+    if getattr(dataset, "__getitems__", None) is not None:
+        return None
+    return size, sampler
 
 
 class _Plan:
@@ -93,8 +129,10 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
         log.warning("dataloader %r: cannot instrument %s; it runs unmeasured",
                     log_name(instruments.name), type(loader).__qualname__, exc_info=True)
         return torch_iter(loader)
+    tuning = instruments.tuning
     try:
-        it = _start(loader, plan, torch_iter)
+        it = _start(loader, plan, torch_iter, tuning is not None and not tuning.advice_only
+                    and plan.workers != tuning.tuner.start.workers)
     except Exception as e:  # the tuner's first pool could not start: without it
         tuning = instruments.tuning
         if undo is None or tuning is None or not tuning.cannot_run(loader, undo, e):
@@ -110,18 +148,37 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     gen = instruments.track(it, plan.block) if plan.workers else 0
     if quiet:
         return QuietIterator(it, instruments, start, gen, plan.count)
-    timed = TimedIterator(it, instruments, start, gen, plan.count)
+    kind = CpuTimedIterator if not plan.workers and instruments.tuning_now else TimedIterator
+    sized = (fixed_size(loader) if plan.count is collated_len and torch_iter_as_is is TORCH_ITER
+             and undo is None and not instruments.tuning_now else None)
+    timed = kind(it, instruments, start, gen, plan.count, sized)
     if undo is not None:  # its first batch may fail in the workers: the same epoch without
         timed._retry = _retry(loader, instruments, undo, torch_iter)
     tuning = instruments.tuning
-    if tuning is not None and tuning.resumable and not tuning.tuner.stable:
-        timed._resume = _resumer(loader, instruments, torch_iter)
+    if tuning is not None and not tuning.tuner.stable:
+        if tuning.resumable:
+            timed._resume = _resumer(loader, instruments, torch_iter)
+        elif tuning.midepoch:
+            from .tuner_switch import switcher
+
+            timed._resume = switcher(loader, instruments, timed, torch_iter,
+                                     functools.partial(_again, loader, instruments))
     return timed
 
 
-def _start(loader: Any, plan: _Plan, torch_iter: Callable[[Any], Any]) -> Any:
-    return _with_collate(loader, plan.collate, torch_iter) if plan.collate else torch_iter(
-        loader)
+def _start(loader: Any, plan: _Plan, torch_iter: Callable[[Any], Any],
+           tuned: bool = False) -> Any:
+    """torch's iter(); tuned: the tuner chose the worker count from what it measured, so
+    torch's warning that it exceeds the CPU count (normal for blocked workers) is not
+    repeated at each epoch."""
+    if not tuned:
+        return _with_collate(loader, plan.collate, torch_iter) if plan.collate else \
+            torch_iter(loader)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create",
+                                category=UserWarning)
+        return _with_collate(loader, plan.collate, torch_iter) if plan.collate else \
+            torch_iter(loader)
 
 
 def _again(loader: Any, instruments: Instruments, torch_iter: Callable[[Any], Any],
@@ -129,7 +186,7 @@ def _again(loader: Any, instruments: Instruments, torch_iter: Callable[[Any], An
     """The same iter() planned and started anew, under the setting the tuner made or
     undid: its plan and torch's iterator."""
     plan = _Plan(loader, instruments, quiet, again=True)
-    return plan, _start(loader, plan, torch_iter)
+    return plan, _start(loader, plan, torch_iter, True)
 
 
 def _retry(loader: Any, instruments: Instruments, undo: Any, torch_iter: Callable[[Any], Any]

@@ -38,17 +38,29 @@ class LoaderConfig:
     def of(cls, loader: Any) -> LoaderConfig:
         """The loader's settings; the batch size read from its batch sampler when the loader
         has none of its own (Accelerate shards through a batch sampler)."""
-        num_workers = getattr(loader, "num_workers", None)
-        prefetch = getattr(loader, "prefetch_factor", None)
+        return cls.from_inputs(cls.inputs(loader))
+
+    @staticmethod
+    def inputs(loader: Any) -> tuple[Any, ...]:
+        """The loader attributes its config is made of (from_inputs): the same objects
+        again mean the same config."""
+        batch_size = getattr(loader, "batch_size", None)
+        return (getattr(loader, "num_workers", None), getattr(loader, "prefetch_factor", None),
+                batch_size, getattr(loader, "pin_memory", None),
+                getattr(loader, "persistent_workers", None),
+                getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+                if batch_size is None else None)
+
+    @classmethod
+    def from_inputs(cls, inputs: tuple[Any, ...]) -> LoaderConfig:
+        """The config made of inputs(loader)."""
+        num_workers, prefetch, batch_size, pin_memory, persistent, sampled = inputs
         if prefetch is None and num_workers:
             prefetch = 2  # torch's default when workers are used
-        batch_size = getattr(loader, "batch_size", None)
-        if batch_size is None:
-            size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-            if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-                batch_size = size
-        return cls(num_workers, batch_size, prefetch, getattr(loader, "pin_memory", None),
-                   getattr(loader, "persistent_workers", None))
+        if batch_size is None and isinstance(sampled, int) and not isinstance(
+                sampled, bool) and sampled > 0:
+            batch_size = sampled
+        return cls(num_workers, batch_size, prefetch, pin_memory, persistent)
 
     def labels(self) -> dict[str, str]:
         def s(v: object) -> str:
@@ -80,6 +92,23 @@ def process_cpu() -> advisor.Cpu:
     if facts is None or now - facts[0] > CPU_FACTS_TTL:
         facts = _cpu_facts = (now, advisor.local_cpu())
     return facts[1]
+
+
+SHM_SIZE_TTL = 60.0  # seconds the size of /dev/shm is reused across iter()s and loaders
+_shm_size: tuple[float, str] | None = None
+
+
+def process_shm_size() -> str:
+    """The size of the trainer's /dev/shm in bytes as a label value ("" when unknown),
+    read at most every SHM_SIZE_TTL seconds for the whole process: a mount's size does
+    not change with each iter(), and statvfs costs more than the rest of it."""
+    global _shm_size
+    now = time.monotonic()
+    got = _shm_size
+    if got is None or now - got[0] > SHM_SIZE_TTL:
+        shm = shm_space(SHM_PATH)
+        got = _shm_size = (now, str(shm.size) if shm else "")
+    return got[1]
 
 
 def _cuda_available() -> bool:
@@ -118,6 +147,8 @@ class Preflight:
 
     def on_iter(self, cfg: LoaderConfig, epoch: int) -> None:
         """At each iter(): the config line (first time) and config-only advice."""
+        if not self._config_line.seen("config") and not log.isEnabledFor(logging.INFO):
+            self._config_line.problem("config", "")  # said, at a level nobody logs
         if not self._config_line.seen("config"):
             shm = self._shm_probe(self.shm_path)
             self._config_line.problem(

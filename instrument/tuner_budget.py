@@ -1,5 +1,6 @@
 """What this rank may use now, as the loader tuner reads it before each decision: its
-cores, the memory more workers may still take, and /dev/shm free.
+cores, the memory more workers may still take, /dev/shm free, and the workers the
+open-file limit allows.
 
 Read each time, never cached: a container's limit, a neighbour's memory and the other
 ranks' workers change while a job runs. A figure that cannot be read is None, which
@@ -7,6 +8,9 @@ blocks growth rather than allowing it.
 """
 
 from __future__ import annotations
+
+import os
+import resource
 
 import torch
 
@@ -34,10 +38,29 @@ def memory_budget() -> int | None:
     return room - int(bands.MEMORY_RESERVE * (total if limit is None else limit))
 
 
+FDS_PER_WORKER = 8  # descriptors a worker holds open in the training process (queues, pipes)
+
+
+def worker_limit() -> int | None:
+    """Workers the open-file limit still allows (RLIMIT_NOFILE less those open now), or
+    None when unlimited or unreadable."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return None
+        return max(0, (soft - len(os.listdir("/proc/self/fd"))) // FDS_PER_WORKER)
+    except (OSError, ValueError):
+        return None
+
+
 def budget() -> Budget:
     """What this rank may use now: the share of the cores its affinity and cgroup allow
-    per local rank (advisor.worker_cores), memory_budget() and /dev/shm free."""
-    cores = advisor.worker_cores(advisor.local_cpu(), local_world_size(),
-                                 torch.cuda.is_initialized())
+    per local rank (advisor.worker_cores; as CPU time for the model, the loop's own use
+    measured rather than a core kept for it), memory_budget(), /dev/shm free and
+    worker_limit()."""
+    cpu = advisor.local_cpu()
+    ranks = max(1, local_world_size())
+    cores = advisor.worker_cores(cpu, ranks, torch.cuda.is_initialized())
     shm = shm_space(SHM_PATH)
-    return Budget(cores, memory_budget(), shm.free if shm is not None else None)
+    return Budget(cores, memory_budget(), shm.free if shm is not None else None,
+                  cpu.usable / ranks, worker_limit())

@@ -8,7 +8,11 @@ from the same counters at the next iter() (or, in a long epoch, while it runs):
 - the workers' running / waiting-for-a-CPU / blocked shares (procstat.py) over the epoch;
 - the memory one worker takes (PSS, else its largest RSS; with no worker yet, the main
   process's RSS, which a forked worker can at most take), and a batch's bytes;
-- the fetch waits' burstiness (95th percentile over the median, from the histogram).
+- the fetch waits' burstiness (95th percentile over the median, from the histogram);
+- per batch, for the model (core/tuner_model.py): the time a batch takes to make and its
+  CPU share (with workers: their running and blocked time; without: the fetch's wall
+  time and the loop thread's CPU time in it, CpuTimedIterator), the loop's time (the
+  step) and the training process's CPU time outside the fetch.
 
 An epoch of fewer than MIN_BATCHES batches, or one in which another loader of the same
 name ran (their figures add up), is not judged.
@@ -18,12 +22,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from time import perf_counter_ns
+from time import perf_counter_ns, process_time_ns
 from typing import Any
 
 import numpy as np
 
 from dataloader_exporter.core.settings import log_name
+from dataloader_exporter.core.tuner_model import Load
 from dataloader_exporter.core.tuner_rules import Epoch, Setting
 
 from .envsettings import once
@@ -52,15 +57,26 @@ class Mark:
     fetch_counts: np.ndarray
     proc: tuple[int | None, int | None, int | None]
     iters: int  # iter()s of every loader of this name so far
+    cpu_ns: int = 0  # the training process's CPU time (all its threads)
+    loop_sched: tuple[int, int] | None = None  # the loop thread's running, run-queue ns
+    step_counts: np.ndarray | None = None  # the step histogram's bucket counts
+    fetch_cpu: tuple[int, int] = (0, 0)  # rec.fetch_cpu_ns, rec.fetch_cpu_n
 
 
-def take_mark(rec: LoaderRecorder, loader: Any) -> Mark:
-    """The loader's counters now, its recorder flushed first."""
-    rec.flush()
+def take_mark(rec: LoaderRecorder, loader: Any, flush: bool = True,
+              setting: Setting | None = None) -> Mark:
+    """The loader's counters now, its recorder flushed first (unless it just was);
+    `setting`: the loader's settings, when the loader is not at hand."""
+    if flush:
+        rec.flush()
     with rec.lock:
         step_s, counts = rec.step_h.sum, rec.fetch_h.counts.copy()
-    return Mark(setting_of(loader), perf_counter_ns(), rec.batches, rec.samples, step_s,
-                counts, _times(rec.workers.proc_figures()), rec.iters)
+        steps = rec.step_h.counts.copy()
+    setting = setting if setting is not None else setting_of(loader)
+    return Mark(setting, perf_counter_ns(), rec.batches, rec.samples, step_s,
+                counts, _times(rec.workers.proc_figures()), rec.iters, cpu_ns=process_time_ns(),
+                fetch_cpu=(rec.fetch_cpu_ns, rec.fetch_cpu_n),
+                loop_sched=loop_sched(rec.loop_tid), step_counts=steps)
 
 
 def epoch_since(rec: LoaderRecorder, mark: Mark, name: str, flush: bool = True,
@@ -91,16 +107,76 @@ def epoch_since(rec: LoaderRecorder, mark: Mark, name: str, flush: bool = True,
     if before == (None, None, None) and None not in now:
         before = (0, 0, 0)  # no worker sampled at the mark: the sums began at 0 since
     shares: list[float | None] = [None, None, None]
+    spent: list[int] | None = None
     if None not in now and None not in before:
         spent = [int(a) - int(b) for a, b in zip(now, before, strict=True)]  # type: ignore[arg-type]
         total = sum(spent)
         if total > 0:
             shares = [s / total for s in spent]
+        else:
+            spent = None
     return Epoch(mark.setting, done / wall, max(0.0, min(1.0, 1 - step_s / wall)),
                  shares[0], shares[1], shares[2],
                  _worker_bytes(fig, rec.workers.active or 0),
                  rec.batch_bytes if rec.batch_bytes >= 0 else None,
-                 burstiness(counts, bounds), "samples" if known else "batches")
+                 burstiness(counts, bounds), "samples" if known else "batches",
+                 _load(rec, mark, batches, wall, step_s, spent))
+
+
+def _load(rec: LoaderRecorder, mark: Mark, batches: int, wall: float, step_s: float,
+          spent: list[int] | None) -> Load | None:
+    """Per-batch figures for the model since `mark`; None where not measured: workers
+    whose running and blocked times were not read, or a fetch without workers whose CPU
+    time was not (an iterator built before the tuner started)."""
+    cpu_s = (process_time_ns() - mark.cpu_ns) / 1e9
+    loop_s = step_s / batches
+    if mark.setting.workers == 0:
+        fetch_cpu_ns, fetch_n = (rec.fetch_cpu_ns - mark.fetch_cpu[0],
+                                 rec.fetch_cpu_n - mark.fetch_cpu[1])
+        if fetch_n < max(1, batches - 1):  # the fetch being read now is not counted yet
+            return None
+        fetch_s = max(1e-9, (wall - step_s) / batches)
+        fetch_cpu = min(fetch_s, fetch_cpu_ns / 1e9 / fetch_n)
+        # Time the loop thread waited for a CPU is neither work nor blocking: the fetch's
+        # share of it (in proportion to its CPU time) is not time a batch takes to make.
+        now, before = loop_sched(rec.loop_tid), mark.loop_sched
+        if now is not None and before is not None:
+            ran, queued = now[0] - before[0], now[1] - before[1]
+            if ran > 0 and queued >= 0:
+                fetch_s = max(fetch_cpu, fetch_s - fetch_cpu * queued / ran)
+        return Load(fetch_s, fetch_cpu, loop_s, max(0.0, cpu_s / batches - fetch_cpu))
+    if spent is None:
+        return None
+    running, _, blocked = spent
+    fetch_s = (running + blocked) / 1e9 / batches
+    if fetch_s <= 0:
+        return None
+    return Load(fetch_s, min(fetch_s, running / 1e9 / batches), loop_s, cpu_s / batches)
+
+
+def paused(rec: LoaderRecorder, mark: Mark, seconds: float) -> bool:
+    """Whether a step longer than about `seconds` (the first step bucket bound at or
+    over it) ran since `mark`: the loop paused (validation, a checkpoint), so the window
+    says nothing of the loader's rate."""
+    if mark.step_counts is None:
+        return False
+    i = int(np.searchsorted(np.asarray(rec.step_h.bounds), seconds, side="left"))
+    with rec.lock:
+        now = int(rec.step_h.counts[i + 1:].sum())
+    return now > int(mark.step_counts[i + 1:].sum())
+
+
+def loop_sched(tid: int) -> tuple[int, int] | None:
+    """A thread of this process's running and run-queue nanoseconds (schedstat), or None
+    (no thread id yet, or unreadable)."""
+    if not tid:
+        return None
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+            run, wait = f.read().split()[:2]
+        return int(run), int(wait)
+    except (OSError, ValueError):
+        return None
 
 
 def burstiness(counts: np.ndarray, bounds: tuple[float, ...]) -> float | None:

@@ -12,11 +12,15 @@ keep their order (tuner_order.py). An IterableDataset's worker count decides how
 split: the tuner never changes it there. Where a change would change the order, the
 tuner only says what it would set.
 
-An epoch still running after LONG_EPOCH (one-epoch pre-training) is judged in the loop. A
-loader that resumes exactly from its state_dict() (torchdata's StatefulDataLoader) takes a
-prefetch_factor change there: state_dict(), the setting, load_state_dict() and a new
-iterator from the same batch (resume(), iter_start._resumer). A num_workers change is
-only said: no torch loader resumes mid-epoch under another worker count.
+Where the pool can change without changing what the loop sees (a torch DataLoader over a
+map-style dataset, batches in order, a sampler that lets a new pool keep the order), the
+tuner judges windows of WINDOW seconds in the loop and changes the pool mid-epoch
+(tuner_switch.py); a new pool's first batches are not judged (its start is its own
+figure). Elsewhere an epoch still running after LONG_EPOCH (one-epoch pre-training) is
+judged in the loop: a loader that resumes exactly from its state_dict() (torchdata's
+StatefulDataLoader) takes a prefetch_factor change there: state_dict(), the setting,
+load_state_dict() and a new iterator from the same batch (resume(),
+iter_start._resumer); anything else is only said.
 """
 
 from __future__ import annotations
@@ -36,21 +40,18 @@ import torch.utils.data
 from dataloader_exporter.core.settings import ENV_SETTINGS, SettingsError, log_name, parse
 from dataloader_exporter.core.tuner_rules import REASONS_OF, Decision, Setting, Tuner
 
-from . import compat
+from . import compat, tuner_window
 from .envsettings import once
 from .failure_causes import is_torch_worker_error
 from .hotpath_recorder import LoaderRecorder
 from .tuner_budget import budget
 from .tuner_epoch import Mark, epoch_since, setting_of, take_mark
 from .tuner_order import order_bound
+from .tuner_window import MidEpoch
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
 LONG_EPOCH = 600.0  # seconds: an epoch running longer is judged, as advice only
-
-
-def _text(s: Setting) -> str:
-    return f"num_workers={s.workers}, prefetch_factor={s.prefetch}"
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,11 @@ class Undo:
     cpu: torch.Tensor
 
 
-class LoaderTuning:
+ITERABLE = ("its IterableDataset's worker count decides how its stream is split, so it is "
+            "set for the next run, not this one")
+
+
+class LoaderTuning(MidEpoch):
     """One loader object's tuner, fed at each iter() (Instruments.at_iter)."""
 
     def __init__(self, name: str, knobs: tuple[str, ...], loader: Any,
@@ -81,6 +86,9 @@ class LoaderTuning:
                          log_name(name))
         self.tuner = Tuner(setting_of(loader), workers=workers,
                            prefetch="prefetch_factor" in knobs)
+        # An IterableDataset's count is not set, but what the model says is said, once.
+        self.shadow = (Tuner(setting_of(loader), prefetch=False)
+                       if "num_workers" in knobs and iterable else None)
         # Where a change would change the order of the batches, the tuner only advises.
         self.advice_only = order_bound(loader, self.tuner.start.workers)
         if iterable and getattr(loader, "persistent_workers", False):
@@ -96,6 +104,12 @@ class LoaderTuning:
         self.resumable = (callable(getattr(loader, "state_dict", None))
                           and callable(getattr(loader, "load_state_dict", None)))
         self.pending: Decision | None = None  # decided in a long epoch, made at resume()
+        # A torch DataLoader whose pool can change mid-epoch with the order kept.
+        self.midepoch = (not iterable and not self.advice_only and not self.resumable
+                         and isinstance(loader, torch.utils.data.DataLoader)
+                         and getattr(loader, "in_order", True) is not False)
+        self._warming = False  # a new pool's first batches: not judged
+        self._window_at_iter = True  # the window judged next began at an iter()
         rec.on_flush = self.tick
         self.tuned = tuple(k for k in knobs if k != "num_workers" or workers)
         if self.advice_only:
@@ -107,8 +121,11 @@ class LoaderTuning:
             for setting in self.tuned:
                 for reason in REASONS_OF[setting]:
                     rec.tuner_changes.setdefault((setting, reason), 0)
-            log.info("dataloader %r: the tuner sets %s between epochs, from %s",
-                     log_name(name), " and ".join(self.tuned), _text(self.tuner.start))
+            when = (f"every {tuner_window.WINDOW:g} s mid-epoch" if self.midepoch
+                    else "between epochs")
+            log.info("dataloader %r: the tuner sets %s %s, from num_workers=%d, prefetch_factor"
+                     "=%d", log_name(name), " and ".join(self.tuned), when,
+                     self.tuner.start.workers, self.tuner.start.prefetch)
 
     def at_iter(self, loader: Any, forget_workers: Callable[[], None]) -> int | None:
         """Judges the epoch since the last iter() and applies a change to `loader` before
@@ -118,23 +135,33 @@ class LoaderTuning:
             with self._lock:
                 seed = None
                 self.undo = None
+                self.rec.loop_tid = threading.get_native_id()
                 mark, self._mark = self._mark, None
                 pending, self.pending = self.pending, None
                 if pending is not None:  # decided in a long epoch that ended first: now
                     seed = self._apply(loader, pending, forget_workers)
-                elif mark is not None and not self.tuner.stable:
+                elif mark is not None and self._partial(mark):
+                    pass  # the tail of an epoch after a mid-epoch window: too short
+                elif mark is not None:
                     epoch = epoch_since(self.rec, mark, self.name)
                     if epoch is not None and self.advice_only:
                         self._advise(copy.deepcopy(self.tuner).observe(epoch, budget()),
                                      self.advice_only)
                         self.tuner.stable = True
                     elif epoch is not None:
+                        if self.shadow is not None:
+                            shadow, self.shadow = self.shadow, None
+                            self._advise(shadow.observe(epoch, budget()), ITERABLE)
+                        settled = self.tuner.stable
                         decision = self.tuner.observe(epoch, budget())
+                        if settled and not self.tuner.stable:
+                            self._drifted()
                         if decision is not None:
                             seed = self._apply(loader, decision, forget_workers)
                 self._say_stable()
-                if not self.tuner.stable:
+                if not self.tuner.stable or self.rec.tuner_stable:  # tuning, or watching
                     self._mark = take_mark(self.rec, loader)
+                self._window_at_iter, self._warming = True, False
                 return seed
         except Exception as e:
             if is_torch_worker_error(e):
@@ -242,6 +269,10 @@ class LoaderTuning:
         if self._advised or mark is None or self.tuner.stable or self.pending is not None:
             return
         now = perf_counter_ns()
+        if self.midepoch:  # judged in the loop only: a paused loop is no slow window
+            if threading.get_native_id() == self.rec.loop_tid:
+                self._window(mark, now)
+            return
         if (now - mark.t_ns) / 1e9 < LONG_EPOCH:
             return
         with self._lock:
@@ -297,11 +328,14 @@ class LoaderTuning:
                         decision.line(log_name(self.name)))
             return True
 
-    def remark(self, loader: Any) -> None:
-        """A mid-epoch change was made: the window judged next starts now."""
+    def remark(self, loader: Any, warming: bool = False) -> None:
+        """A mid-epoch change was made: the window judged next starts now. warming: a new
+        pool, whose first batches only start the window."""
         with self._lock:
             self._mark = take_mark(self.rec, loader)
             self._advised = False
+            self._warming = warming
+            self._window_at_iter = False
             self._say_stable()
 
     def _advise(self, decision: Decision | None, because: str) -> None:

@@ -136,12 +136,15 @@ def test_an_unknown_figure_blocks_the_move_it_would_justify() -> None:
     assert Tuner(Setting(2, 2)).observe(known, FREE) is not None
 
 
-def test_a_change_that_did_not_help_is_reverted_after_one_epoch_and_not_tried_again() -> None:
+def test_a_change_that_did_not_help_is_reverted_after_two_windows_and_not_tried_again(
+        ) -> None:
     pipe = Pipeline(ceiling=50.0)  # storage caps it at 50 batches/s: 2 busy workers reach it
     tuner = Tuner(Setting(2, 2))
     settings, decisions = tune(pipe, tuner, 12)
     assert [d.reason for d in decisions] == ["starved", "reverted"], decisions
-    assert settings[1].workers > 2 and settings[2:] == [Setting(2, 2)] * 10
+    # One window may lie on a busy machine: a trial that did not pay is measured twice.
+    assert settings[1].workers > 2 and settings[2] == settings[1]
+    assert settings[3:] == [Setting(2, 2)] * 9
     assert tuner.stable
     assert tuner.settings_line("train") == "train.num_workers=2,train.prefetch_factor=2"
 

@@ -100,11 +100,12 @@ def _root_or_skip(what: str) -> None:
         pytest.skip(f"needs root for {what}")
 
 
-def assert_grew_to_one_worker(control: Job) -> None:
-    """Without the limit the same job grows 0 -> 1 (the only step a budget of one core
-    allows on 2 cores): what stops the other run is the limit."""
-    assert control.workers[0] == 0 and max(control.workers) == 1, control.truth["epochs"]
-    assert control.changes[0] == (0, 1), control.truth["log"]
+def assert_grew(control: Job) -> None:
+    """Without the limit the same job grows from 0 to the model's count: what stops the
+    other run is the limit."""
+    grown = max(control.workers)
+    assert control.workers[0] == 0 and grown >= 1, control.truth["epochs"]
+    assert control.changes[0] == (0, control.workers[1]), control.truth["log"]
     assert control.metric(cat.TUNER_CHANGES.name, setting="num_workers", reason="starved")
 
 
@@ -124,7 +125,7 @@ def test_a_memory_cgroup_with_less_room_than_a_worker_keeps_the_loader_without_w
     reserve) is under that RSS, yet the job itself runs in it."""
     _root_or_skip("a memory cgroup")
     control = job(tmp_path / "control", *CPU_BOUND)
-    assert_grew_to_one_worker(control)
+    assert_grew(control)
     assert all(e["budget"]["memory_room"] > e["rss"] for e in control.truth["epochs"])
     group = Path("/sys/fs/cgroup/memory") / f"dataloader-exporter-tuner-{os.getpid()}"
     limit = max(e["rss"] for e in control.truth["epochs"]) + 64 * MiB
@@ -164,7 +165,7 @@ def test_a_dev_shm_too_small_for_the_batches_in_flight_keeps_the_loader_without_
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    assert_grew_to_one_worker(control)
+    assert_grew(control)
     need = 1 * 2 * batch * bands.SHM_SAFETY
     assert all(e["budget"]["shm_room"] >= need for e in control.truth["epochs"])
     assert all(e["budget"]["shm_room"] < need for e in limited.truth["epochs"])
