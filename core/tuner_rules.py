@@ -16,7 +16,7 @@ justify, never guesses it):
 - fewer workers when CPU-bound workers outnumber the rank's cores or wait for a CPU, or
   when memory would not hold them; never none, for a loader that has workers;
 - a deeper queue (prefetch_factor) when the loop waits in bursts (its 95th percentile far
-  above its median) although the workers are not busy and make what the loop takes;
+  above its median) although the workers do not run most of their time;
 - every change but a cut for memory is a trial, judged on the next window under the
   noise measured (core/tuner_judge.py): kept, undone (the tuner goes back to the best and
   stops moving that way), or measured once more. So a job is never slower than its own
@@ -326,9 +326,7 @@ class Tuner:
         if (not self.prefetch or s.workers == 0 or "prefetch_factor+" in self._exhausted
                 or epoch.stall < bands.MODERATE or epoch.burstiness is None
                 or epoch.burstiness < BURSTY or epoch.running is None
-                or epoch.running >= BUSY or s.prefetch >= MAX_PREFETCH
-                or (epoch.load is not None  # the workers make less than the loop takes
-                    and s.workers * epoch.load.loop_s < epoch.load.fetch_s)):
+                or epoch.running >= BUSY or s.prefetch >= MAX_PREFETCH):
             return None
         want = min(MAX_PREFETCH, 2 * s.prefetch)
         if self._room_for(epoch, s.workers, want) is not None:

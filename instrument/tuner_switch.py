@@ -14,6 +14,7 @@ never held twice); a persistent pool is shut down and replaced as the loader's o
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,19 +59,24 @@ class Drawn:
 
     def __init__(self, rest: Iterator[Any]) -> None:
         self._rest = rest
-        self.drawn: list[Any] = []
+        self.drawn: list[Any] | None = []  # None: no longer kept (the pool delivered)
 
     def __iter__(self) -> Drawn:
         return self
 
     def __next__(self) -> Any:
         index = next(self._rest)
-        self.drawn.append(index)
+        if self.drawn is not None:
+            self.drawn.append(index)
         return index
+
+    def forget(self) -> None:
+        """The new pool delivered its first batch: nothing will be given back."""
+        self.drawn = None
 
     def undelivered(self) -> Iterator[Any]:
         """The indices drawn and never handed out, then the rest."""
-        return itertools.chain(self.drawn, self._rest)
+        return itertools.chain(self.drawn or (), self._rest)
 
 
 class Chain:
@@ -80,10 +86,11 @@ class Chain:
     instead (None: the error goes on)."""
 
     def __init__(self, old: Any, start: Callable[[], Any],
-                 fallback: Callable[[Exception], Any]) -> None:
+                 fallback: Callable[[Exception], Any], delivered: Callable[[], None]) -> None:
         self.it = old
         self._start: Callable[[], Any] | None = start
         self._fallback: Callable[[Exception], Any] | None = fallback
+        self._delivered = delivered  # called once the new iterator's first batch came
 
     def __iter__(self) -> Chain:
         return self
@@ -98,7 +105,9 @@ class Chain:
         fallback, self._fallback = self._fallback, None
         try:
             self.it = start()
-            return next(self.it)
+            batch = next(self.it)
+            self._delivered()
+            return batch
         except StopIteration:
             raise
         except Exception as e:  # the new pool did not start, or failed its first batch
@@ -127,10 +136,18 @@ def switcher(loader: Any, instruments: Any, timed: Any, torch_iter: Callable[[An
     from .tuner_epoch import setting_of
     from .tuner_order import fresh_seed
 
+    # The loop's iterator holds this closure: a weak reference back, so no cycle keeps
+    # an abandoned iterator, and its workers, alive until the garbage collector runs.
+    timed_ref = weakref.ref(timed)
+    del timed
+
     def switch() -> tuple[Any, int, Any] | None:
         tuning = instruments.tuning
         decision = tuning.pending if tuning is not None else None
         if tuning is None or decision is None:
+            return None
+        timed = timed_ref()
+        if timed is None:
             return None
         old = timed._it
         raw = old.it if isinstance(old, Chain) else old
@@ -150,8 +167,10 @@ def switcher(loader: Any, instruments: Any, timed: Any, torch_iter: Callable[[An
             instruments.forget_workers()  # the old pool ended on purpose
             seeded = fresh_seed(torch_iter, seed)
             plan, it = again(lambda ld: iterator_on(ld, indices, seeded))
-            timed._gen = instruments.track(it, plan.block) if plan.workers else 0
-            timed._count = plan.count
+            gen = instruments.track(it, plan.block) if plan.workers else 0
+            timed = timed_ref()  # the loop's iterator, alive while it asks for a batch
+            if timed is not None:
+                timed._gen, timed._count = gen, plan.count
             tuning.remark(loader, warming=True)
             return it
 
@@ -164,5 +183,5 @@ def switcher(loader: Any, instruments: Any, timed: Any, torch_iter: Callable[[An
                 return None
             return build(drawn.undelivered())
 
-        return Chain(old, start, fallback), timed._gen, timed._count
+        return Chain(old, start, fallback, drawn.forget), timed._gen, timed._count
     return switch

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -517,8 +518,8 @@ def test_an_iterable_dataset_with_persistent_workers_is_only_advised(
 
 
 class Bursty(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Instant samples, but every 16th waits 30 ms (a slow read): the loop waits in
-    bursts while the worker mostly sleeps."""
+    """Instant samples, but every 16th waits 30 ms (a slow read): with a 3 ms step the
+    loop waits in bursts while the worker mostly sleeps."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -556,6 +557,7 @@ def test_a_long_epoch_of_a_stateful_loader_gets_its_queue_deepened_mid_epoch(
         got.append(b.clone())
         prefetch.append(loader.prefetch_factor)
         pids.append(tuple(compat.worker_pids(compat.persistent_iterator(loader) or it._it)))
+        time.sleep(0.003)  # a step: on average the worker keeps up, only its bursts do not
     assert same([got], [expected])
     # Deepened mid-epoch (and back if that trial did not pay, as it may not here).
     assert prefetch[0] == 2 and 4 in prefetch, sorted(set(prefetch))
@@ -629,3 +631,25 @@ def test_a_pool_that_fails_mid_epoch_gives_its_batches_back_to_the_loop(
                      r"\(RuntimeError: this dataset cannot run in a worker process\); the "
                      r"epoch goes on without them", tuner_log.text), tuner_log.text
     assert stable_of(registry, "mid-fail") == 1.0
+
+
+def test_an_abandoned_tuned_iterator_ends_its_workers_without_the_garbage_collector(
+        registry: CollectorRegistry) -> None:
+    """The loop breaks out of an epoch: the tuned iterator (which can change its pool
+    mid-epoch) is freed as torch's is, its workers shut down at once, with no reference
+    cycle left for the garbage collector (a fork before it runs would copy the pool's
+    iterator into the new workers)."""
+    import gc
+
+    loader = instrument.DataLoader(SleepDataset(400, delay=0.001), batch_size=4, num_workers=2,
+                                   name="abandon", registry=registry, tune=True)
+    it = iter(loader)
+    next(it)
+    pids = compat.worker_pids(it._it)
+    assert len(pids) == 2
+    gc.disable()
+    try:
+        del it
+        assert not [pid for pid in pids if _running(pid)]
+    finally:
+        gc.enable()
