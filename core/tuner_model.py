@@ -29,6 +29,7 @@ from dataclasses import dataclass
 HEADROOM = 1.25
 MAX_PER_CPU = 8  # blocked workers per core at most, whatever the model says
 MAX_WORKERS = 128  # per rank: beyond, a pool's start and memory outweigh the overlap
+CPU_BOUND = 0.5  # a worker on a CPU this share of its time or more: no more than the cores
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,13 @@ def plateau(load: Load, cpus: float) -> float:
 
 def choose(load: Load, cpus: float, cap: int | None = None) -> int:
     """The smallest worker count predicted to reach the plateau (with HEADROOM for the
-    share of their time the workers are blocked), at most
+    share of their time the workers are blocked), CPU-bound workers (CPU_BOUND) no more
+    than the cores, at most
     `cap` (or ceiling(cpus)); 0 when no count is predicted faster than none at all by
     a tenth (the cores or the loop are the limit, not the fetch)."""
     most = ceiling(cpus) if cap is None else max(0, min(cap, ceiling(cpus)))
+    if load.cpu_share >= CPU_BOUND:  # past the cores they would only queue for one
+        most = min(most, max(1, math.ceil(cpus)))
     if most == 0:
         return 0
     rate = plateau(load, cpus)

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 from dataloader_exporter.core import advisor, bands
+from dataloader_exporter.core.tuner_model import Load, choose
 from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.signals import LoaderSignals
 from dataloader_exporter.diagnosis.units import gib, pct
@@ -202,15 +203,21 @@ def advise(v: WorkerView, s: LoaderSignals, workers: int, starved: bool, machine
         per = v.rss_bytes or 0.0
         drop = max(1, math.ceil((v.swap_bytes or 0.0) / per)) if per else 1
         return Advice(max(1, workers - drop) if workers > 1 else workers, v.why)
+    cpus = machine.cpu.usable / max(1, local_ranks)
     if v.bottleneck == CPU:
-        if workers >= cores:
+        target = modelled(v, s, cpus)
+        target = cores if target is None else target
+        if workers >= target:
             v.why += f"; no core is free for another worker ({n_cores}): {CHEAPER}"
             return Advice(workers, v.why)
-        advice = Advice(cores, f"{v.why}, and {cores - workers} of the {n_cores} are free")
+        advice = Advice(target, f"{v.why}, and {max(0, cores - workers)} of the {n_cores} "
+                                "are free")
     elif v.bottleneck == BLOCKED:
         busy = (v.running_share or 0.0) + (v.waiting_for_cpu_share or 0.0)
         cap = advisor.blocked_cap(machine.cpu, local_ranks, cuda, machine.storage)
-        fits = math.floor(cores / busy) if busy > 0 else cap  # the cores their CPU needs
+        fits = modelled(v, s, cpus)  # the tuner's model: its first move from here
+        if fits is None:
+            fits = math.floor(cores / busy) if busy > 0 else cap  # the cores their CPU needs
         target = min(cap, fits)
         if target <= workers:
             v.why += (f"; more workers would pass the cap for {machine.storage} storage or "
@@ -221,6 +228,20 @@ def advise(v: WorkerView, s: LoaderSignals, workers: int, starved: bool, machine
     else:
         advice = _configured(s, workers, starved, machine, local_ranks, cuda, n_cores)
     return _memory_cap(v, s, workers, advice)
+
+
+def modelled(v: WorkerView, s: LoaderSignals, cpus: float) -> int | None:
+    """The worker count the tuner's model (core/tuner_model.py) chooses from this window's
+    figures: per batch, the workers' running and blocked seconds and the step's (all of
+    it counted as CPU: the trainer's own CPU time is not exported); None when a figure is
+    missing."""
+    if (not s.batches or not s.seconds or not v.running_share or v.blocked_share is None
+            or v.cpu_cores_used is None):
+        return None
+    running = v.cpu_cores_used * s.seconds  # the workers' CPU seconds in the window
+    busy = running / v.running_share * (v.running_share + v.blocked_share)
+    load = Load(busy / s.batches, running / s.batches, s.step_seconds / s.batches)
+    return choose(load, cpus)
 
 
 def _configured(s: LoaderSignals, workers: int, starved: bool, machine: Machine,

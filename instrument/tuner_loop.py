@@ -47,7 +47,7 @@ from .hotpath_recorder import LoaderRecorder
 from .tuner_budget import budget
 from .tuner_epoch import Mark, epoch_since, setting_of, take_mark
 from .tuner_order import order_bound
-from .tuner_window import MidEpoch
+from .tuner_window import MidEpoch, say_failed
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
@@ -231,13 +231,7 @@ class LoaderTuning(MidEpoch):
             log.warning("dataloader %r: the tuner cannot undo its change",
                         log_name(self.name), exc_info=True)
             return False
-        lines = str(error).strip().splitlines()
-        said = lines[-1] if lines else ""  # torch's worker traceback ends with the error
-        kind = type(error).__name__
-        said = said[len(kind) + 2:] if said.startswith(f"{kind}: ") else said
-        log.warning("dataloader %r: num_workers %d -> %d: its workers failed (%s: %s); the "
-                    "epoch starts again without them and the tuner adds none",
-                    log_name(self.name), now, undo.setting.workers, kind, said[:200])
+        say_failed(self.name, now, undo.setting.workers, error, "starts again")
         self._said_stable = False
         self._say_stable()
         return True

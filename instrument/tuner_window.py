@@ -25,6 +25,18 @@ log = logging.getLogger("dataloader_exporter.instrument")
 WINDOW = 3.0  # seconds: a window judged mid-epoch
 
 
+def say_failed(name: str, now: int, back: int, error: Exception, epoch: str) -> None:
+    """Logs that the tuner's new workers failed (num_workers now -> back), with the last
+    line of torch's worker traceback, and what the epoch does (`epoch`) without them."""
+    lines = str(error).strip().splitlines()
+    said = lines[-1] if lines else ""  # torch's worker traceback ends with the error
+    kind = type(error).__name__
+    said = said[len(kind) + 2:] if said.startswith(f"{kind}: ") else said
+    log.warning("dataloader %r: num_workers %d -> %d: its workers failed (%s: %s); the epoch "
+                "%s without them and the tuner adds none", log_name(name), now, back, kind,
+                said[:200], epoch)
+
+
 class MidEpoch:
     """LoaderTuning's mid-epoch part; it holds what the methods below use."""
 
@@ -119,13 +131,7 @@ class MidEpoch:
             log.warning("dataloader %r: the tuner cannot undo its change",
                         log_name(self.name), exc_info=True)
             return False
-        lines = str(error).strip().splitlines()
-        said = lines[-1] if lines else ""  # torch's worker traceback ends with the error
-        kind = type(error).__name__
-        said = said[len(kind) + 2:] if said.startswith(f"{kind}: ") else said
-        log.warning("dataloader %r: num_workers %d -> %d: its workers failed (%s: %s); the "
-                    "epoch goes on without them and the tuner adds none", log_name(self.name),
-                    now, previous.workers, kind, said[:200])
+        say_failed(self.name, now, previous.workers, error, "goes on")
         self._said_stable = False
         self._say_stable()
         return True

@@ -216,10 +216,12 @@ def test_the_doctor_reads_a_time_range_from_prometheus(
     assert result.returncode == 1, result.stderr
     d = only(json.loads(result.stdout), "ranged")
     assert d["verdict"] == "input-bound"
-    # The worker sleeps in its dataset: blocked, not running, while the loop waits.
+    # The worker sleeps in its dataset: blocked, not running, while the loop waits. On a
+    # busy machine each wake-up also waits for a CPU, which may then be the verdict.
     workers = d["workers"]
-    assert workers["bottleneck"] == "blocked", workers
+    assert workers["bottleneck"] in ("blocked", "cpu_contention"), workers
     assert workers["blocked_share"] > 0.5 and workers["rss_bytes"] > 0, workers
+    assert workers["blocked_share"] > 2 * workers["running_share"], workers
 
 
 def tuner_of(reg: CollectorRegistry, name: str) -> tuple[float | None, dict[str, float]]:

@@ -11,6 +11,7 @@ import pytest
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core.settings import for_loader, parse
+from dataloader_exporter.core.tuner_model import Load, choose
 from dataloader_exporter.diagnosis import tuner_report, why
 from dataloader_exporter.diagnosis.doctor import Diagnosis
 from dataloader_exporter.diagnosis.machine import Machine
@@ -154,13 +155,18 @@ def test_blocked_workers_get_more_workers_within_the_storage_cap_and_a_deeper_qu
     assert setting(d, "prefetch_factor").value == "4"
 
 
-def test_blocked_workers_get_no_more_workers_than_the_cores_their_running_needs() -> None:
-    # Each worker runs 45% of its time: alone, the 8 cores hold 17 (NVMe's cap, 12,
-    # binds); with a second rank on the machine its 4 cores hold 8.
+def test_blocked_workers_get_the_tuners_count_within_the_cores_their_running_needs() -> None:
+    # A batch takes a worker 0.2 s, 0.09 s of it running, and the step 0.02 s. Alone, the
+    # 8 cores are no limit: the loop's 50 batches/s take 12 workers (NVMe's cap, 12,
+    # binds). With a second rank its 4 cores hold 36 batches/s of the workers' and the
+    # step's CPU: 7.3 workers busy, 9 with headroom for their blocked time, the tuner's
+    # model's first move (core/tuner_model.py).
     figures: dict[str, Any] = {"workers": 2, "states": (9.0, 0.0, 11.0), "pss": 600 * MiB}
     assert diagnosis(**figures).workers.bottleneck == why.BLOCKED
     assert setting(diagnosis(**figures), "num_workers").value == "12"
-    assert setting(diagnosis(2, **figures), "num_workers").value == "8"
+    assert setting(diagnosis(2, **figures), "num_workers").value == "9"
+    load = Load(0.2, 0.09, 0.02)
+    assert choose(load, 4.0) == 9 and min(12, choose(load, 8.0)) == 12
 
 
 def test_memory_caps_the_workers_when_not_one_more_fits() -> None:
