@@ -157,7 +157,8 @@ class Run:
         self._it: Iterator[Any] | None = None
 
     def run(self, seconds: float, skip: float = 0.0) -> float:
-        """Samples/s over `seconds`, the first `skip` seconds not counted."""
+        """Samples/s over `seconds`, the first `skip` seconds (at most half) not counted."""
+        skip = min(skip, seconds / 2)
         start = time.perf_counter()
         counted_from, seen = start + skip, 0
         while True:
@@ -255,14 +256,17 @@ def long_epoch(kind: Kind, fixed_s: float, seconds: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--classes", default="cpu-trivial,cpu-step,storage,gpu-wait,busy")
-    ap.add_argument("--fixed", type=float, default=4.0, help="seconds per fixed setting (4)")
-    ap.add_argument("--tuned", type=float, default=48.0, help="seconds of the tuned run (48)")
+    ap.add_argument("--fixed", type=float, help="seconds per fixed setting (4; --quick 2)")
+    ap.add_argument("--tuned", type=float, help="seconds of the tuned run (48; --quick 10)")
     ap.add_argument("--long", action="store_true", help="also the 60-s single epoch")
     ap.add_argument("--quick", action="store_true", help="shorter runs, for a smoke run")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
     args = ap.parse_args(argv)
-    fixed_s, tuned_s, long_s = ((2.0, 10.0, 20.0) if args.quick
-                                else (args.fixed, args.tuned, 60.0))
+    fixed_s, tuned_s, long_s = (2.0, 10.0, 20.0) if args.quick else (4.0, 48.0, 60.0)
+    fixed_s = args.fixed if args.fixed is not None else fixed_s
+    tuned_s = args.tuned if args.tuned is not None else tuned_s
+    if fixed_s <= 0 or tuned_s <= 0:
+        ap.error("--fixed and --tuned must be positive")
     os.environ.pop(ENV_DIR, None)  # no snapshot thread: the registries are local
     torch.set_num_threads(1)
     cores = advisor.local_cpu().usable

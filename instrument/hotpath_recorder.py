@@ -100,6 +100,7 @@ class LoaderRecorder:
         self.fetch_cpu_ns = 0
         self.fetch_cpu_n = 0
         self.loop_tid = 0  # the native id of the thread that last called iter() (tuned)
+        self.first_total_ns = 0  # the epochs' waits for their first batch, summed
         self.on_flush: Callable[[], None] | None = None
         # Reader side.
         self.lock = threading.Lock()

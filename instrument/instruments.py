@@ -243,6 +243,7 @@ class Instruments:
     def first_batch(self, batch: Any, since_iter_ns: int) -> None:
         rec = self.rec
         rec.first.append(since_iter_ns)
+        rec.first_total_ns += since_iter_ns
         if self.tuning_now:  # the workers' first sample of the epoch (tuner_loop.py)
             self._read()
         self.iterated = True

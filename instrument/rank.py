@@ -18,10 +18,22 @@ def current_rank() -> str:
     return rank if rank.isdigit() else "0"
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def local_world_size() -> int:
-    """Ranks on this machine: torchrun's $LOCAL_WORLD_SIZE, else 1."""
-    size = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    return int(size) if size.isdigit() and int(size) > 0 else 1
+    """Ranks on this machine: torchrun's $LOCAL_WORLD_SIZE (or Open MPI's
+    $OMPI_COMM_WORLD_LOCAL_SIZE); else $WORLD_SIZE when every rank meets at a loopback
+    $MASTER_ADDR (a launcher that starts its ranks on one machine and says only the world
+    size, as Lightning's own DDP launcher does); else 1."""
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        size = os.environ.get(name, "").strip()
+        if size.isdigit() and int(size) > 0:
+            return int(size)
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if world.isdigit() and int(world) > 0 and os.environ.get("MASTER_ADDR", "") in LOOPBACK:
+        return int(world)
+    return 1
 
 
 def local_rank() -> int | None:

@@ -3,8 +3,9 @@
 A mark holds the loader's counters at an epoch's iter(); the epoch since a mark is read
 from the same counters at the next iter() (or, in a long epoch, while it runs):
 
-- samples (or batches) per second and the input stall, over the wall time from iter() to
-  the last batch handed out, so a worker pool's start (and its rebuild) counts;
+- samples (or batches) per second over the wall time from iter() to the last batch
+  handed out, so a worker pool's start (and its rebuild) counts; the input stall from
+  the first batch on (the wait for the first batch, a pool's start, is its own figure);
 - the workers' running / waiting-for-a-CPU / blocked shares (procstat.py) over the epoch;
 - the memory one worker takes (PSS, else its largest RSS; with no worker yet, the main
   process's RSS, which a forked worker can at most take), and a batch's bytes;
@@ -60,13 +61,16 @@ class Mark:
     cpu_ns: int = 0  # the training process's CPU time (all its threads)
     loop_sched: tuple[int, int] | None = None  # the loop thread's running, run-queue ns
     step_counts: np.ndarray | None = None  # the step histogram's bucket counts
+    own_iters: int = 1  # this loader's own iter()s to come in its window (0: mid-epoch)
+    first_ns: int = 0  # rec.first_total_ns
     fetch_cpu: tuple[int, int] = (0, 0)  # rec.fetch_cpu_ns, rec.fetch_cpu_n
 
 
 def take_mark(rec: LoaderRecorder, loader: Any, flush: bool = True,
-              setting: Setting | None = None) -> Mark:
+              setting: Setting | None = None, mid: bool = False) -> Mark:
     """The loader's counters now, its recorder flushed first (unless it just was);
-    `setting`: the loader's settings, when the loader is not at hand."""
+    `setting`: the loader's settings, when the loader is not at hand; mid: taken
+    mid-epoch, after the loader's own iter() (any iter() after it is another loader's)."""
     if flush:
         rec.flush()
     with rec.lock:
@@ -76,7 +80,8 @@ def take_mark(rec: LoaderRecorder, loader: Any, flush: bool = True,
     return Mark(setting, perf_counter_ns(), rec.batches, rec.samples, step_s,
                 counts, _times(rec.workers.proc_figures()), rec.iters, cpu_ns=process_time_ns(),
                 fetch_cpu=(rec.fetch_cpu_ns, rec.fetch_cpu_n),
-                loop_sched=loop_sched(rec.loop_tid), step_counts=steps)
+                loop_sched=loop_sched(rec.loop_tid), step_counts=steps,
+                own_iters=0 if mid else 1, first_ns=rec.first_total_ns)
 
 
 def epoch_since(rec: LoaderRecorder, mark: Mark, name: str, flush: bool = True,
@@ -86,7 +91,7 @@ def epoch_since(rec: LoaderRecorder, mark: Mark, name: str, flush: bool = True,
     if flush:
         rec.flush()
     end = rec.last_batch_ns if end_ns is None else end_ns
-    if rec.iters > mark.iters + 1:  # another loader of this name ran in the window
+    if rec.iters > mark.iters + mark.own_iters:  # another loader of this name ran in it
         once.problem(f"tune-shared:{name}", "dataloader %r: the tuner cannot judge "
                      "an epoch while another loader of the same name runs in it (their "
                      "figures add up); give each loader its own name", log_name(name))
@@ -115,7 +120,10 @@ def epoch_since(rec: LoaderRecorder, mark: Mark, name: str, flush: bool = True,
             shares = [s / total for s in spent]
         else:
             spent = None
-    return Epoch(mark.setting, done / wall, max(0.0, min(1.0, 1 - step_s / wall)),
+    # The stall from the first batch on: a pool's start is its own figure, and more
+    # workers would not shorten it (the rate, samples over the whole wall, counts it).
+    steady = max(1e-9, wall - (rec.first_total_ns - mark.first_ns) / 1e9)
+    return Epoch(mark.setting, done / wall, max(0.0, min(1.0, 1 - step_s / steady)),
                  shares[0], shares[1], shares[2],
                  _worker_bytes(fig, rec.workers.active or 0),
                  rec.batch_bytes if rec.batch_bytes >= 0 else None,

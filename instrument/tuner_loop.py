@@ -326,7 +326,7 @@ class LoaderTuning(MidEpoch):
         """A mid-epoch change was made: the window judged next starts now. warming: a new
         pool, whose first batches only start the window."""
         with self._lock:
-            self._mark = take_mark(self.rec, loader)
+            self._mark = take_mark(self.rec, loader, mid=True)
             self._advised = False
             self._warming = warming
             self._window_at_iter = False

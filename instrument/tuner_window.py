@@ -88,7 +88,8 @@ class MidEpoch:
                     return
                 self.pending = self.tuner.observe(epoch, budget())
                 self._say_stable()
-            self._mark = take_mark(self.rec, None, flush=False, setting=self.tuner.current)
+            self._mark = take_mark(self.rec, None, flush=False, setting=self.tuner.current,
+                                   mid=True)
             self._window_at_iter = False
 
     def no_switch(self) -> None:

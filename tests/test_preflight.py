@@ -175,3 +175,22 @@ def test_shm_size_advice_rounds_up_to_whole_gibibytes_with_headroom() -> None:
 def test_network_storage_gets_more_workers_than_cores_but_a_few_per_core_at_most() -> None:
     assert advisor.advised_workers(0, True, PINNED, 1, cuda=True, storage="network") == 16
     assert advisor.advised_workers(0, True, QUOTA, 8, cuda=True, storage="network") == 4
+
+
+@pytest.mark.parametrize(("env", "ranks"), [
+    ({}, 1),
+    ({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "16"}, 4),  # torchrun, many machines
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, 8),  # mpirun
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, 2),  # Lightning's own launcher
+    ({"WORLD_SIZE": "16", "MASTER_ADDR": "10.0.0.7"}, 1),  # elsewhere: not known, 1
+    ({"LOCAL_WORLD_SIZE": "x", "WORLD_SIZE": "0", "MASTER_ADDR": "localhost"}, 1),
+])
+def test_the_ranks_on_this_machine_come_from_what_the_launcher_says(
+        monkeypatch: pytest.MonkeyPatch, env: dict[str, str], ranks: int) -> None:
+    from dataloader_exporter.instrument.rank import local_world_size
+
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert local_world_size() == ranks

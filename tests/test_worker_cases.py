@@ -90,7 +90,8 @@ def test_advice_follows_the_bottleneck(slow: tuple[Run, dict[str, Any]]) -> None
 
     assert int(advised("cpu_contention").get("num_workers", 4)) < 4  # fewer: they queue
     assert int(advised("blocked")["num_workers"]) > 2  # more: they overlap their waits
-    assert int(advised("cpu").get("num_workers", 1)) <= 1  # no free core on 2 cores, no GPU
+    # CPU-bound: no more workers than the cores (the step's CPU counted, none kept for it).
+    assert int(advised("cpu").get("num_workers", 1)) <= (os.cpu_count() or 1)
 
 
 def test_worker_time_is_counted_only_while_batches_flow(
