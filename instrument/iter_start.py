@@ -134,7 +134,6 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
         it = _start(loader, plan, torch_iter, tuning is not None and not tuning.advice_only
                     and plan.workers != tuning.tuner.start.workers)
     except Exception as e:  # the tuner's first pool could not start: without it
-        tuning = instruments.tuning
         if undo is None or tuning is None or not tuning.cannot_run(loader, undo, e):
             raise
         plan, it = _again(loader, instruments, torch_iter, quiet)
@@ -154,7 +153,6 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     timed = kind(it, instruments, start, gen, plan.count, sized)
     if undo is not None:  # its first batch may fail in the workers: the same epoch without
         timed._retry = _retry(loader, instruments, undo, torch_iter)
-    tuning = instruments.tuning
     if tuning is not None and not tuning.tuner.stable:
         if tuning.resumable:
             timed._resume = _resumer(loader, instruments, torch_iter)
@@ -171,12 +169,10 @@ def _start(loader: Any, plan: _Plan, torch_iter: Callable[[Any], Any],
     """torch's iter(); tuned: the tuner chose the worker count from what it measured, so
     torch's warning that it exceeds the CPU count (normal for blocked workers) is not
     repeated at each epoch."""
-    if not tuned:
-        return _with_collate(loader, plan.collate, torch_iter) if plan.collate else \
-            torch_iter(loader)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="This DataLoader will create",
-                                category=UserWarning)
+    with warnings.catch_warnings() if tuned else contextlib.nullcontext():
+        if tuned:
+            warnings.filterwarnings("ignore", message="This DataLoader will create",
+                                    category=UserWarning)
         return _with_collate(loader, plan.collate, torch_iter) if plan.collate else \
             torch_iter(loader)
 

@@ -58,7 +58,9 @@ class Drawn:
     handed out yet, so that a new pool that fails its first batch gives them back."""
 
     def __init__(self, rest: Iterator[Any]) -> None:
-        self._rest = rest
+        while isinstance(rest, Drawn) and rest.drawn is None:  # an earlier switch's, done
+            rest = rest._rest
+        self._rest: Iterator[Any] = rest
         self.drawn: list[Any] | None = []  # None: no longer kept (the pool delivered)
 
     def __iter__(self) -> Drawn:

@@ -262,17 +262,22 @@ def test_the_command_list_loads_no_command() -> None:
     assert "serve" in result.stdout and "dashboards" in result.stdout
 
 
+def loaded_after_torch(code: str) -> set[str]:
+    """The modules `code` loads in a fresh process that imported torch first, as a
+    training script does."""
+    script = ("import sys, torch, torch.utils.data; before = set(sys.modules); "
+              f"{code}; print(sorted(set(sys.modules) - before))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return set(eval(result.stdout))
+
+
 @pytest.mark.torch  # it imports the demo's and the drop-in's modules
 @pytest.mark.slow
 def test_the_drop_in_loads_neither_the_server_nor_the_doctor() -> None:
     """Measured in a process that imports torch first, as a training script does."""
-    code = ("import sys, torch, torch.utils.data; before = set(sys.modules); "
-            "from dataloader_exporter import DataLoader, wrap; "
-            "print(sorted(set(sys.modules) - before))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=REPO, timeout=120)
-    assert result.returncode == 0, result.stderr
-    new = set(eval(result.stdout))
+    new = loaded_after_torch("from dataloader_exporter import DataLoader, wrap")
     assert f"{NS}.instrument.loader" in new
     served = {m for m in new if (ours(m) or "") in SERVING or (ours(m) or "").startswith(
         ("diagnosis", "dashboards"))}
@@ -308,15 +313,9 @@ LOADED_ON_FIRST_USE = ("prometheus_client", "http", "wsgiref", "socketserver", "
 def test_the_drop_in_and_its_first_batch_load_only_what_the_hot_path_needs() -> None:
     """Measured in a process that imports torch first; the modules torch itself loads for
     a first batch are torch's, not the drop-in's."""
-    code = ("import sys, torch, torch.utils.data; before = set(sys.modules); "
-            "import dataloader_exporter; L = dataloader_exporter.DataLoader; "
-            "ds = torch.utils.data.TensorDataset(torch.arange(8.0)); "
-            "batch = next(iter(L(ds, batch_size=2))); "
-            "print(sorted(set(sys.modules) - before))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=REPO, timeout=120)
-    assert result.returncode == 0, result.stderr
-    new = set(eval(result.stdout))
+    new = loaded_after_torch("import dataloader_exporter; L = dataloader_exporter.DataLoader; "
+                             "ds = torch.utils.data.TensorDataset(torch.arange(8.0)); "
+                             "batch = next(iter(L(ds, batch_size=2)))")
     ours_loaded = {m for m in new if m.split(".")[0] == NS}
     assert ours_loaded <= DROP_IN_MAY_LOAD, sorted(ours_loaded - DROP_IN_MAY_LOAD)
     assert f"{NS}.instrument.hotpath_iterator" in ours_loaded
