@@ -15,15 +15,14 @@ justify, never guesses it):
   while the workers run most of their time, up to the rank's cores;
 - fewer workers when CPU-bound workers outnumber the rank's cores or wait for a CPU, or
   when memory would not hold them; never none, for a loader that has workers;
-- a deeper queue (prefetch_factor) when the loop waits in bursts (its 95th percentile far
-  above its median) although the workers do not run most of their time;
+- a deeper queue (prefetch_factor) when the loop waits in bursts (p95 far above the
+  median) while the workers do not run most of their time;
 - every change but a cut for memory is a trial, judged on the next window under the
-  noise measured (core/tuner_judge.py): kept, undone (the tuner goes back to the best and
-  stops moving that way), or measured once more. So a job is never slower than its own
-  settings for longer than a window or two.
-  After MAX_TRIALS, or when no rule fires, it is stable and stays (where the loop waits
-  but the workers' shares are not known yet, it waits UNSEEN_EPOCHS epochs for them), but
-  for drift: a rate well below its own while the loop waits tunes it again.
+  noise measured (core/tuner_judge.py): kept, undone (back to the best, that way never
+  again), or measured once more: never slower than its own settings past a window or two.
+  After MAX_TRIALS, or when no rule fires, it is stable (where the loop waits but the
+  workers' shares are unknown, it waits UNSEEN_EPOCHS epochs for them), but for drift: a
+  rate well below its own while the loop waits tunes it again.
 """
 
 from __future__ import annotations
@@ -126,6 +125,7 @@ class Tuner:
     _judge: Judge = field(default_factory=Judge)
     settled_rate: float = 0.0  # the rate it settled at, against which drift is judged
     _doubts: int = 0  # windows running in which a ruled-out direction looked worth it
+    _ceiling: int = 0  # the model's last ceiling: a window without its figures keeps it
 
     def __post_init__(self) -> None:
         self.current = self.start
@@ -157,8 +157,7 @@ class Tuner:
             if verdict == "undo":
                 self._exhausted.add(trying)
                 return self._revert(epoch, trying, rate)
-            # A cut kept is the best setting now, judged still against the faster rate:
-            # cuts do not compound below the best measured.
+            # A cut kept is the best now, still against the faster rate: cuts do not compound.
             self.best = self.current
             self.best_rate = max(self.best_rate, rate)
         if rate >= self.best_rate:
@@ -259,10 +258,13 @@ class Tuner:
         return epoch.load is not None and self.budget.cpus is not None
 
     def _cap(self, epoch: Epoch) -> int:
-        """The most workers: the model's ceiling on the rank's CPU time (or, without the
-        model's figures, its cores), within the process and open-file limits."""
+        """The most workers: the model's ceiling on the rank's CPU time (without its figures,
+        its cores or its last ceiling), within the process and open-file limits."""
         cpus = self.budget.cpus
-        cap = ceiling(cpus) if cpus is not None and epoch.load is not None else self.budget.cores
+        if cpus is not None and epoch.load is not None:
+            cap = self._ceiling = ceiling(cpus)
+        else:  # a window without the figures does not undo what they said
+            cap = max(self.budget.cores, self._ceiling)
         return cap if self.budget.limit is None else max(0, min(cap, self.budget.limit))
 
     def _grow(self, epoch: Epoch) -> Decision | None:

@@ -260,8 +260,10 @@ class LoaderTuning(MidEpoch):
         exactly from its state_dict() is decided, to be made at the loop's next reading
         (resume()); anything else is said once, not applied."""
         mark = self._mark
-        if self._advised or mark is None or self.tuner.stable or self.pending is not None:
+        if self._advised or mark is None or self.pending is not None:
             return
+        if self.tuner.stable and not (self.midepoch and self.rec.tuner_stable):
+            return  # settled: watched mid-epoch where it can change there, else at iter()
         now = perf_counter_ns()
         if self.midepoch:  # judged in the loop only: a paused loop is no slow window
             if threading.get_native_id() == self.rec.loop_tid:

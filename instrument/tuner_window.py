@@ -1,7 +1,8 @@
 """The tuner's windows mid-epoch, for a loader whose pool can change there without
 changing what the loop sees (LoaderTuning.midepoch): every WINDOW seconds in the loop the
 window since the last mark is judged, and a change is left pending for the loop to make
-at its next reading (tuner_switch.py). A new pool's first batches only start the next
+at its next reading (tuner_switch.py). A settled loader's windows are still judged, for
+drift (core/tuner_judge.py). A new pool's first batches only start the next
 window: its start is its own figure, not its steady rate.
 """
 
@@ -79,14 +80,18 @@ class MidEpoch:
         if self.rec.batches - mark.batches < MIN_BATCHES:
             return
         with self._lock:
-            if self._mark is not mark or self.pending is not None or self.tuner.stable:
+            if self._mark is not mark or self.pending is not None or (
+                    self.tuner.stable and not self.rec.tuner_stable):
                 return
             self._warming = False
             if not warming and not paused(self.rec, mark, WINDOW):
                 epoch = epoch_since(self.rec, mark, self.name, flush=False, end_ns=now)
                 if epoch is None:
                     return
+                settled = self.tuner.stable  # watched: tuned again if its rate drifts
                 self.pending = self.tuner.observe(epoch, budget())
+                if settled and not self.tuner.stable:
+                    self._drifted()
                 self._say_stable()
             self._mark = take_mark(self.rec, None, flush=False, setting=self.tuner.current,
                                    mid=True)

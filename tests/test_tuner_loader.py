@@ -6,6 +6,7 @@ One module, though long: every case is that comparison, through the same epoch h
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -653,3 +654,52 @@ def test_an_abandoned_tuned_iterator_ends_its_workers_without_the_garbage_collec
         assert not [pid for pid in pids if _running(pid)]
     finally:
         gc.enable()
+
+
+class SlowingDataset(SleepDataset):
+    """SleepDataset whose delay is read, per sample, from shared memory: the main process
+    slows the storage down under the running workers (the pool is forked after it)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.shared = multiprocessing.get_context("fork").Value("d", 0.0, lock=False)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if self.shared.value:
+            time.sleep(self.shared.value)
+        return super().__getitem__(i)
+
+
+def test_a_settled_loader_is_watched_mid_epoch_and_tuned_again_when_storage_slows(
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch,
+        tuner_log: pytest.LogCaptureFixture) -> None:
+    """One long epoch: the tuner settles on fast samples; the storage then slows down
+    under it; the settled rate's drift is seen in windows of that same epoch, and the
+    tuner moves again mid-epoch, with the untuned loader's order."""
+    monkeypatch.setattr(tuner_window, "WINDOW", 0.3)
+    data = SlowingDataset(200_000)
+
+    def build(cls: Any, **kw: Any) -> Any:
+        return cls(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(4),
+                   **kw)
+
+    loader = build(instrument.DataLoader, name="drift", registry=registry, tune=True)
+    seen: list[int] = []
+    deadline = time.monotonic() + 60
+    slowed_at = None
+    for n, (_x, i) in enumerate(loader):
+        seen.extend(i.tolist())
+        if slowed_at is None and n % 16 == 0 and stable_of(registry, "drift") == 1.0:
+            slowed_at = len(tuner_log.records)
+            data.shared.value = 0.004  # 4 ms a sample from now on, as on a busy NFS
+        after = tuner_log.records[slowed_at:] if slowed_at is not None else []
+        if any("(mid-epoch)" in r.getMessage() for r in after) or time.monotonic() > deadline:
+            break
+    assert slowed_at is not None, tuner_log.text  # it settled within the epoch
+    after = "\n".join(r.getMessage() for r in tuner_log.records[slowed_at:])
+    assert "fell 20% below the rate it settled at" in after, tuner_log.text
+    assert re.search(r"dataloader 'drift': num_workers \d+ -> \d+: .*\(mid-epoch\)", after), after
+    data.shared.value = 0.0
+    bare = iter(build(torch.utils.data.DataLoader))
+    expected = [j for _ in range(len(seen) // 4) for j in next(bare)[1].tolist()]
+    assert seen == expected

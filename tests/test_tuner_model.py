@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -192,3 +192,21 @@ def test_a_settled_setting_is_tuned_again_only_when_its_rate_stays_low() -> None
     decision = tuner.observe(slow, budget)
     assert not tuner.stable  # tuning again, from the figures now
     assert decision is not None and decision.setting.workers > s.workers
+
+
+def test_a_window_without_the_workers_figures_keeps_the_blocked_workers_the_model_chose(
+        ) -> None:
+    """Blocked workers past the cores, chosen from the model's figures, are not cut to the
+    cores by a window whose figures are missing (a new pool's shares not read yet)."""
+    tuner, settings = tune(STORAGE, 1)  # its first move, from 0, on trial
+    n = tuner.current.workers
+    assert n > STORAGE.cpus and not tuner.stable, settings
+    blind = Epoch(tuner.current, STORAGE.true_rate(n) * BATCH, 0.0, worker_bytes=GiB // 8,
+                  batch_bytes=1 << 20)
+    assert tuner.observe(blind, budget_for(STORAGE, tuner.current)) is None
+    assert tuner.current.workers == n
+    # Without any figures from the model, a count above the cores is cut to them.
+    fresh = Tuner(Setting(n, 2))
+    decision = fresh.observe(replace(blind, setting=Setting(n, 2)),
+                             budget_for(STORAGE, Setting(n, 2)))
+    assert decision is not None and decision.reason == "cores"
