@@ -31,11 +31,12 @@ WAIT_BUCKETS: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
     0.25, 0.5, 1.0, 2.5, 10.0,
 )
-# A training step, read only as a p95 on the overview dashboard: 1 ms (tiny models) to
-# 10 s (large ones), in steps of about 3x.
-STEP_BUCKETS: tuple[float, ...] = (
-    0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0,
-)
+# A training step, read only as a p95 on the overview dashboard (the rest reads _sum):
+# decades, 1 ms (tiny models) to 10 s; within a decade the p95 interpolates, the mean exact.
+STEP_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 1.0, 10.0)
+# Steps binned in process (older trainers' exported layout): the decades and the 3x steps
+# between them, as the loader tuner reads a step over its 3 s window as a pause.
+STEP_BINS: tuple[float, ...] = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 # Copying a batch host to device (to_device), read only as a p95 beside its mean (the
 # overview dashboard; the doctor and the bandwidth panel read _sum): decades from 0.5 ms (a
 # small batch, or a pinned one) to 50 ms (a large pageable one, which stalls most steps).
@@ -78,9 +79,7 @@ class Metric:
         return self.name
 
 
-def _m(name: str, type_: str, help_: str, unit: str, labels: tuple[str, ...], source: str,
-       buckets: tuple[float, ...] = ()) -> Metric:
-    return Metric(name, type_, help_, unit, labels, source, buckets)
+_m = Metric  # positionally: name, type, help, unit, labels, source, buckets
 
 
 # --- trainer: written by instrument/ into snapshot files or served in-process ----------
@@ -148,10 +147,12 @@ WORKER_SAMPLES = _m(
     "Samples each worker process has produced; absent for a worker whose batches cannot "
     "be counted.",
     "", WORKER_LABELS, TRAINER)
-WORKER_HEARTBEAT = _m(
-    "dataloader_worker_heartbeat_timestamp_seconds", GAUGE,
-    "Unix time at which each worker process last finished a batch.",
-    "seconds", WORKER_LABELS, TRAINER)
+LOOP_CPU = _m(
+    "dataloader_loop_cpu_seconds_total", COUNTER,
+    "CPU time of the thread that iterates the loader, while it hands out batches with no "
+    "worker alive (its fetches, made in that thread, and the steps between them), read "
+    "about once a second; absent until such a stretch was read.",
+    "seconds", LOADER_LABELS, TRAINER)
 BATCH_BYTES = _m(
     "dataloader_batch_bytes", GAUGE,
     "Tensor bytes in a recent batch (sampled); feeds the /dev/shm preflight.",
@@ -230,9 +231,8 @@ FAILURES = _m(
 
 # --- gpu: NVML through nvidia-ml-py ------------------------------------------------------
 GPU_LABELS: tuple[str, ...] = ("gpu", "gpu_uuid")
-GPU_INFO = _m(
-    "gpu_info", GAUGE, "GPU model and driver; the value is always 1.",
-    "", (*GPU_LABELS, "name", "driver_version"), GPU)
+GPU_INFO = _m("gpu_info", GAUGE, "GPU model and driver; the value is always 1.", "",
+              (*GPU_LABELS, "name", "driver_version"), GPU)
 GPU_UTILIZATION = _m(
     "gpu_utilization_ratio", GAUGE,
     "Fraction of the last sample period during which a kernel ran on the GPU.",
@@ -255,8 +255,7 @@ GPU_PCIE_TX = _m(
     "bytes_per_second", GPU_LABELS, GPU)
 GPU_TEMPERATURE = _m(
     "gpu_temperature_celsius", GAUGE, "GPU core temperature.", "celsius", GPU_LABELS, GPU)
-GPU_POWER = _m(
-    "gpu_power_watts", GAUGE, "GPU power draw.", "watts", GPU_LABELS, GPU)
+GPU_POWER = _m("gpu_power_watts", GAUGE, "GPU power draw.", "watts", GPU_LABELS, GPU)
 
 # --- shm: the shared-memory filesystem DataLoader workers pass batches through ------------
 SHM_SIZE = _m("shm_size_bytes", GAUGE, "Size of the shared-memory filesystem.",
@@ -276,12 +275,10 @@ HOST_MEMORY_AVAILABLE = _m(
 HOST_SWAP_USED = _m("host_swap_used_bytes", GAUGE, "Swap space in use.", "bytes", (), HOST)
 CGROUP_MEMORY_LIMIT = _m(
     "host_cgroup_memory_limit_bytes", GAUGE,
-    "Memory limit of the exporter's cgroup (the container), where one is set.",
-    "bytes", (), HOST)
+    "Memory limit of the exporter's cgroup (the container), where one is set.", "bytes", (), HOST)
 CGROUP_MEMORY_USAGE = _m(
     "host_cgroup_memory_usage_bytes", GAUGE,
-    "Memory in use by the exporter's cgroup (the container).",
-    "bytes", (), HOST)
+    "Memory in use by the exporter's cgroup (the container).", "bytes", (), HOST)
 
 # --- the exporter itself --------------------------------------------------------------------
 BUILD_INFO = _m(
@@ -294,16 +291,14 @@ COLLECTOR_UP = _m(
     "", ("collector",), SELF)
 COLLECTOR_DURATION = _m(
     "dataloader_exporter_collector_duration_seconds", GAUGE,
-    "Time the collector took at the last scrape.",
-    "seconds", ("collector",), SELF)
+    "Time the collector took at the last scrape.", "seconds", ("collector",), SELF)
 COLLECTOR_ERRORS = _m(
     "dataloader_exporter_collector_errors_total", COUNTER,
     "Errors the collector met reading its source (each skipped file or failed call).",
     "", ("collector",), SELF)
 SNAPSHOT_AGE = _m(
     "dataloader_exporter_snapshot_age_seconds", GAUGE,
-    "Age of the newest trainer snapshot file in the metrics directory.",
-    "seconds", (), SELF)
+    "Age of the newest trainer snapshot file in the metrics directory.", "seconds", (), SELF)
 SNAPSHOT_FILES = _m(
     "dataloader_exporter_snapshot_files", GAUGE,
     "Trainer snapshot files in the metrics directory, fresh ones served and stale ones dropped.",
@@ -314,11 +309,19 @@ SNAPSHOT_ERRORS = _m(
     "", ("reason",), SELF)
 COLLECTIONS = _m(
     "dataloader_exporter_collections_total", COUNTER,
-    "Collections run to answer scrapes of /metrics; concurrent scrapes share one.",
-    "", (), SELF)
+    "Collections run to answer scrapes of /metrics; concurrent scrapes share one.", "", (), SELF)
 
 ALL: tuple[Metric, ...] = tuple(v for v in globals().values() if isinstance(v, Metric))
 BY_NAME: dict[str, Metric] = {m.name: m for m in ALL}
+
+# Older trainers' snapshots (beside a newer sidecar) are still accepted: their retired
+# families, validated and dropped (not in ALL), their metrics' former bucket layouts, and
+# without the trainer families added since.
+RETIRED: tuple[Metric, ...] = (_m(
+    "dataloader_worker_heartbeat_timestamp_seconds", GAUGE, "Unix time at which each worker "
+    "process last finished a batch.", "seconds", WORKER_LABELS, TRAINER),)
+FORMER_BUCKETS: dict[str, tuple[tuple[float, ...], ...]] = {STEP.name: (STEP_BINS,)}
+ADDED: tuple[Metric, ...] = (LOOP_CPU,)
 
 
 def series_names(metric: Metric) -> tuple[str, ...]:
@@ -342,6 +345,5 @@ def markdown_table(source: str | None = None) -> str:
     return "\n".join(rows) + "\n"
 
 
-if __name__ == "__main__":
-    # The table to paste between docs/metrics.md's METRIC TABLE markers.
+if __name__ == "__main__":  # the table to paste between docs/metrics.md's markers
     print(markdown_table(), end="")

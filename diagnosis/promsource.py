@@ -18,7 +18,8 @@ from dataloader_exporter.diagnosis.signals import Labels, Series, Window
 
 # Counters and histogram parts read as increases; everything else as latest values.
 _INCREASE = [cat.TIME, cat.STEP, cat.BATCHES, cat.SAMPLES, cat.EPOCHS, cat.TRANSFER_BYTES,
-             cat.WORKER_CPU, cat.WORKER_TIME, cat.WORKER_READ, cat.WORKER_MAJOR_FAULTS]
+             cat.WORKER_CPU, cat.WORKER_TIME, cat.WORKER_READ, cat.WORKER_MAJOR_FAULTS,
+             cat.LOOP_CPU]
 # (dataloader_info: its newest label set, _newest_info.)
 _LATEST = [cat.FIRST_BATCH, cat.TIME, cat.WORKERS_CONFIGURED, cat.WORKERS_ACTIVE,
            cat.WORKERS_LOST, cat.FAILURES, cat.BATCH_BYTES, cat.SHM_SIZE,

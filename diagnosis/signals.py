@@ -146,6 +146,7 @@ class LoaderSignals:
     seconds: float = 0.0
     fetch_seconds: float = 0.0
     step_seconds: float = 0.0
+    loop_cpu_seconds: float | None = None  # the loop thread's, without workers; None: unknown
     transfer_seconds: float = 0.0
     transfer_bytes: float = 0.0
     batches: float = 0.0
@@ -248,6 +249,7 @@ def _signals(w: Window, loader: str, rank: str) -> LoaderSignals:
     s.fetch_seconds = _get(inc, cat.TIME.name + "_sum", **fetch) or 0.0
     s.transfer_seconds = _get(inc, cat.TIME.name + "_sum", **transfer) or 0.0
     s.step_seconds = _get(inc, cat.STEP.name + "_sum", **lr) or 0.0
+    s.loop_cpu_seconds = _get(inc, cat.LOOP_CPU.name, **lr)
     s.batches = _get(inc, cat.BATCHES.name, **lr) or 0.0
     s.samples = _get(inc, cat.SAMPLES.name, **lr)  # None: unknown, not 0
     s.epochs = _get(inc, cat.EPOCHS.name, **lr) or 0.0

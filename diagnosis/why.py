@@ -225,9 +225,30 @@ def advise(v: WorkerView, s: LoaderSignals, workers: int, starved: bool, machine
             return Advice(workers, v.why)
         advice = Advice(target, f"{v.why}; more workers overlap the waits (each needs "
                                 f"{pct(busy)} of a core; {n_cores}, {machine.storage} storage)")
+    elif workers == 0 and starved and (load := loop_load(s)) is not None:
+        cap = advisor.blocked_cap(machine.cpu, local_ranks, cuda, machine.storage)
+        target = min(cap, choose(load, cpus))
+        advice = Advice(target, f"the loop waits for data {pct(s.stall_share)} of the time: "
+                                f"without workers {load.line()} (the loop thread's CPU time "
+                                f"counted as the fetch's first); the tuner's model gives "
+                                f"{target} for {cpus:g} cores, {machine.storage} storage")
+        if target == 0:
+            advice = _configured(s, workers, starved, machine, local_ranks, cuda, n_cores)
     else:
         advice = _configured(s, workers, starved, machine, local_ranks, cuda, n_cores)
     return _memory_cap(v, s, workers, advice)
+
+
+def loop_load(s: LoaderSignals) -> Load | None:
+    """A loader without workers, per batch: the fetch and the step the loop's thread
+    timed, and its CPU time in them, not split between the two: counted as the fetch's
+    first (up to its wall time), so a blocked fetch is never read as more blocked than it
+    was, and the step counted as CPU whole (as in modelled); None when a figure is
+    missing."""
+    if not s.batches or not s.fetch_seconds or s.loop_cpu_seconds is None:
+        return None
+    fetch, step = s.fetch_seconds / s.batches, s.step_seconds / s.batches
+    return Load(fetch, min(fetch, s.loop_cpu_seconds / s.batches), step)
 
 
 def modelled(v: WorkerView, s: LoaderSignals, cpus: float) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -108,6 +109,7 @@ class Instruments:
     def at_iter(self, loader: Any) -> int | None:
         """Before torch's iter(): the tuner's change, if the loader is tuned (tuner_loop.py).
         Returns the base seed for a persistent pool it rebuilt, else None."""
+        self.rec.workers.loop.tid = threading.get_native_id()
         if self.tuning is None:
             if self._tune_checked:
                 return None

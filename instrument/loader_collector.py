@@ -26,6 +26,7 @@ from dataloader_exporter.exporter.collectors.base import family
 from .hotpath_recorder import LoaderRecorder
 
 TRAINER_METRICS: tuple[cat.Metric, ...] = tuple(m for m in cat.ALL if m.source == cat.TRAINER)
+_STEP_LES = frozenset((*(repr(float(b)) for b in cat.STEP.buckets), "+Inf"))
 log = logging.getLogger("dataloader_exporter.instrument")
 
 
@@ -68,7 +69,8 @@ def _families(recs: list[LoaderRecorder], job: bool = False) -> Iterator[Family]
             for phase, h in ((cat.PHASE_FETCH, r.fetch_h), (cat.PHASE_TRANSFER, r.transfer_h)):
                 if phase in phases:
                     _histogram(time_f, [r.name, r.rank, phase], h.buckets(), h.sum, job)
-            _histogram(step_f, [r.name, r.rank], r.step_h.buckets(), r.step_h.sum, job)
+            _histogram(step_f, [r.name, r.rank], _exported(r.step_h.buckets(), _STEP_LES),
+                       r.step_h.sum, job)
             _histogram(first_f, [r.name, r.rank], r.first_h.buckets(), r.first_h.sum, job)
     yield time_f
     yield step_f
@@ -81,6 +83,8 @@ def _families(recs: list[LoaderRecorder], job: bool = False) -> Iterator[Family]
         (cat.LAST_BATCH, LoaderRecorder.last_batch_unix),
         (cat.EXITED, lambda r: r.exited_at),
         (cat.BATCH_BYTES, lambda r: r.batch_bytes if r.batch_bytes >= 0 else None),
+        (cat.LOOP_CPU, lambda r: None if r.workers.loop.cpu_ns is None
+         else r.workers.loop.cpu_ns / 1e9),
         (cat.WORKERS_CONFIGURED, lambda r: _int(r.config.get("num_workers"))),
         (cat.WORKERS_ACTIVE, lambda r: r.workers.active),
         (cat.WORKERS_LOST, lambda r: r.workers.lost),
@@ -92,18 +96,15 @@ def _families(recs: list[LoaderRecorder], job: bool = False) -> Iterator[Family]
             if value is not None:
                 f.add_metric([r.name, r.rank], value)
         yield f
-    cpu, samples, beat = family(cat.WORKER_CPU), family(cat.WORKER_SAMPLES), family(
-        cat.WORKER_HEARTBEAT)
+    cpu, samples = family(cat.WORKER_CPU), family(cat.WORKER_SAMPLES)
     for r in () if job else recs:
-        for worker, cpu_ns, n, beat_ns in r.workers.per_worker():
+        for worker, cpu_ns, n, _ in r.workers.per_worker():  # a worker's last batch: unread
             labels = [r.name, r.rank, str(worker)]
             cpu.add_metric(labels, cpu_ns / 1e9)
             if n is not None:
                 samples.add_metric(labels, n)
-            beat.add_metric(labels, beat_ns / 1e9)
     yield cpu
     yield samples
-    yield beat
     yield from _proc_families(recs, job)
     changes, stable = family(cat.TUNER_CHANGES), family(cat.TUNER_STABLE)
     for r in () if job else recs:
@@ -181,6 +182,12 @@ def _histogram(f: Any, labels: list[str], buckets: list[tuple[str, float]], tota
     if buckets[-1][1] <= 0:
         return
     f.add_metric(labels, buckets[-1:] if job else buckets, total)
+
+
+def _exported(buckets: list[tuple[str, float]], les: frozenset[str]) -> list[tuple[str, float]]:
+    """The cumulative buckets at the catalogue's bounds (and +Inf): a recorder may bin
+    finer than what is exported (steps: cat.STEP_BINS), and a subset stays exact."""
+    return [b for b in buckets if b[0] in les]
 
 
 def _transferred(r: LoaderRecorder) -> bool:

@@ -165,6 +165,29 @@ def sample(pid: int, proc: str = PROC) -> ProcSample | None:
     )
 
 
+class LoopAccount:
+    """The CPU time of the thread that iterates a loader without workers (its fetches and
+    its steps alike), from /proc/self/task/<tid>/schedstat: summed over the intervals
+    between two readings in which the loader handed out batches with no worker alive.
+    cpu_ns is None until one such interval was read."""
+
+    def __init__(self, proc: str = PROC) -> None:
+        self.proc = proc
+        self.tid = 0  # the thread that last called iter() on the loader (0: none yet)
+        self.cpu_ns: int | None = None
+        self._last: tuple[int, int] | None = None  # (tid, its running ns) at the last reading
+
+    def observe(self, active: bool) -> None:
+        """Reads the thread's running time; active: the interval since the last reading
+        counts (batches flowed, made in that thread)."""
+        tid = self.tid
+        text = _read(f"{self.proc}/self/task/{tid}/schedstat") if tid else None
+        parts = text.split() if text else []
+        last, self._last = self._last, (tid, int(parts[0])) if parts else None
+        if active and last is not None and self._last is not None and last[0] == tid:
+            self.cpu_ns = (self.cpu_ns or 0) + max(0, self._last[1] - last[1])
+
+
 class PssReader:
     """PSS of processes, read only when cheap (PSS_BUDGET of one core, see above)."""
 

@@ -46,7 +46,7 @@ from .failure_causes import (
     oom_watch,
 )
 from .hotpath_workerblock import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED
-from .procstat import Figures, Liveness, ProcAccount
+from .procstat import Figures, Liveness, LoopAccount, ProcAccount
 
 
 def _shm_full(path: str = SHM_PATH) -> bool:
@@ -147,6 +147,7 @@ class WorkerTracker:
         self._liveness = Liveness()
         self._next = 0.0
         self.proc = ProcAccount()
+        self.loop = LoopAccount()  # the loop thread's CPU, for a loader without workers
         self.failures = dict.fromkeys(FAILURE_CAUSES, 0)
         # Told of each failure with a cause: (cause, pid or None, what was seen).
         self.report: Callable[[str, int | None, str], None] | None = None
@@ -226,6 +227,8 @@ class WorkerTracker:
         if not on_error and now < self._next:
             return
         self._next = now + self.min_interval
+        if not on_error:
+            self.loop.observe(batches != self._batches_seen and not self._live and not self.blind)
         watched = [g for g in self._live.values() if g.watched]
         if self.blind and not watched:
             self.active = None

@@ -88,8 +88,12 @@ def test_a_starved_loader_is_input_bound_and_gets_workers(
     assert code == 1 and not report["healthy"]
     assert d["verdict"] == "input-bound" and d["figures"]["stall_share"] > 0.9
     settings = {r["setting"]: r for r in d["recommendations"]}
-    assert int(settings["num_workers"]["value"]) >= 1 and settings["num_workers"]["current"] == "0"
+    assert settings["num_workers"]["current"] == "0"
+    # Its samples wait on sleep, not a CPU: the tuner's model, from the loop thread's CPU
+    # time, asks for workers past the core their CPU needs.
+    assert int(settings["num_workers"]["value"]) >= 2, settings
     assert "waits for data" in settings["num_workers"]["why"]
+    assert "the tuner's model gives" in settings["num_workers"]["why"]
 
 
 @pytest.mark.slow

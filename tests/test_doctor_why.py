@@ -41,14 +41,16 @@ def exposition(k: float, *, workers: int = 2, stall: float = 0.8,
                cgroup: tuple[float, float] | None = None, batch_bytes: float = MiB,
                shm_size: float = GiB, info: bool = True, prefetch: str = "2",
                persistent: str = "true", stable: float | None = None, tuned: str | None = None,
-               changes: dict[tuple[str, str], float] | None = None) -> str:
+               changes: dict[tuple[str, str], float] | None = None,
+               loop_cpu: float | None = None) -> str:
     """A snapshot after k (0 or 1) windows: counters are k times their window's increase,
     gauges their value (swap gauges move from their first to their second value).
     `states`: the workers' seconds in the window running, waiting for a CPU and blocked;
     pss/rss/swap: summed over the live workers, as the trainer exports them. info: with
     dataloader_info (its prefetch_factor and persistent_workers labels). stable: the
     loader tuner's gauge (None: not tuned); changes: its changes so far by (setting,
-    reason), totals as the trainer exports them."""
+    reason), totals as the trainer exports them. loop_cpu: the loop thread's CPU seconds
+    in the window (a loader without workers)."""
     lines = [
         sample(cat.TIME, k * SECONDS * stall, "_sum", phase=cat.PHASE_FETCH),
         sample(cat.STEP, k * SECONDS * (1 - stall), "_sum"),
@@ -69,6 +71,8 @@ def exposition(k: float, *, workers: int = 2, stall: float = 0.8,
         lines.append(sample(cat.TUNER_STABLE, stable, **({"settings": tuned} if tuned else {})))
     lines += [sample(cat.TUNER_CHANGES, n, setting=setting, reason=reason)
               for (setting, reason), n in (changes or {}).items()]
+    if loop_cpu is not None:
+        lines.append(sample(cat.LOOP_CPU, k * loop_cpu))
     if states is not None:
         lines += [sample(cat.WORKER_TIME, k * v, state=st)
                   for st, v in zip(cat.WORKER_STATES, states, strict=True)]
@@ -248,6 +252,26 @@ def test_a_loader_without_workers_is_unknown_because_it_has_none() -> None:
     d = diagnosis(workers=0)
     assert d.workers.bottleneck == why.UNKNOWN
     assert any("the loader has no workers (num_workers=0)" in u for u in d.unknowns)
+
+
+def test_a_loader_without_workers_gets_the_tuners_first_move_from_its_loops_cpu_time() -> None:
+    # 100 batches in 10 s, the loop waits 95%: 95 ms a fetch, 5 ms a step. The loop's
+    # thread ran 1 s: at most 10 ms of each fetch is CPU (counted as the fetch's first),
+    # so its samples mostly wait on storage: workers past the 8 cores, to NVMe's cap, 12.
+    blocked = diagnosis(workers=0, stall=0.95, loop_cpu=1.0)
+    load = Load(0.095, 0.01, 0.005)
+    assert setting(blocked, "num_workers").value == str(min(12, choose(load, 8.0))) == "12"
+    assert "the tuner's model gives 12" in setting(blocked, "num_workers").why
+    # The thread ran all the time: CPU-bound samples, no more workers than the cores.
+    busy = diagnosis(workers=0, stall=0.95, loop_cpu=SECONDS)
+    assert setting(busy, "num_workers").value == str(choose(Load(0.095, 0.095, 0.005), 8.0))
+    assert int(setting(busy, "num_workers").value) == 8
+    # Two ranks share the cores: each gets the model's count for its 4.
+    assert setting(diagnosis(2, workers=0, stall=0.95, loop_cpu=SECONDS),
+                   "num_workers").value == "4"
+    # Without the loop's CPU time: the advice from the configuration, as before.
+    unknown = setting(diagnosis(workers=0), "num_workers")
+    assert "the tuner's model" not in unknown.why
 
 
 def test_a_run_read_whole_takes_its_shares_from_totals_and_claims_no_swap_growth() -> None:

@@ -271,14 +271,15 @@ EDITS = {
     "one phase": (replace(b'phase="transfer"', b'phase="xfer"', -1), "a phase other"),
     "phantom loader": (replace(BATCHES_LINE, BATCHES_LINE.replace(b'"0"', b'"7"')),
                        "without all of its"),
-    "worker missing": (without(b"dataloader_worker_heartbeat_timestamp_seconds{"),
-                       "different workers"),
+    "worker missing": (without(b'dataloader_worker_cpu_seconds_total{loader="t",rank="0",'
+                               b'worker="1"}'), "different workers"),
     "info missing": (without(b"dataloader_info{"), "dataloader_info"),
     "created sample": (replace(BATCHES_LINE, BATCHES_LINE + BATCHES_LINE.replace(
         b"_total", b"_created")), "sample outside its family"),
     "timestamp": (replace(BATCHES_LINE, BATCHES_LINE.replace(b" 4.0", b" 4.0 17000000")),
                   "not the text exposition format"),
-    "comment": (replace(BATCHES_LINE, BATCHES_LINE + b"# a comment\n"), "comment lines"),
+    # More than the catalogue's families and its retired ones could need.
+    "comment": (replace(BATCHES_LINE, BATCHES_LINE + b"# a comment\n" * 3), "comment lines"),
     "blank line": (replace(BATCHES_LINE, BATCHES_LINE + b"\n"), "not the text exposition"),
     "more families": (lambda g: g + b"# HELP x y\n# TYPE x gauge\n" * 20, "comment lines"),
 }
@@ -341,6 +342,63 @@ def test_transfer_histograms_in_the_fetch_layout_of_older_writers_are_accepted(
     # Any other layout is not what a writer wrote.
     with pytest.raises(Rejected, match=cat.TIME.name):
         snapshot.load(relayout_transfer(two_loaders, (0.0005, 0.005)), DEFAULT_MAX_SERIES)
+
+
+OLDER = Path(__file__).resolve().parent / "trainer_snapshots" / "older" / "rank0-t2-4batches.prom"
+HEARTBEAT = cat.RETIRED[0].name
+
+
+def test_an_older_trainers_snapshot_is_served_without_its_retired_families(
+        tmp_path: Path) -> None:
+    """A real snapshot of an older trainer (loader t, 2 workers): a per-worker heartbeat
+    and the step's former 9-bound layout, still accepted beside newer trainers' files."""
+    older = OLDER.read_bytes()
+    kept = {k: v for k, v in parse(older.decode()).items() if k[0] != HEARTBEAT}
+    assert len(kept) == len(parse(older.decode())) - 2  # its two workers' heartbeats
+    assert snapshot.load(older, DEFAULT_MAX_SERIES).series == len(kept)
+    write(tmp_path / "older.prom", older)
+    samples, text = served(TrainerCollector(str(tmp_path)))
+    assert HEARTBEAT not in text
+    assert {k: v for k, v in samples.items() if ("rank", "0") in k[1]} == kept
+    step_les = {dict(k[1])["le"] for k in kept if k[0] == cat.STEP.name + "_bucket"}
+    assert step_les == {repr(b) for b in cat.STEP_BINS} | {"+Inf"}
+
+
+def test_an_older_trainers_heartbeats_must_name_the_workers_with_cpu_time() -> None:
+    older = OLDER.read_bytes()
+    cut = without(HEARTBEAT.encode() + b'{loader="t",rank="0",worker="1"}')(older)
+    with pytest.raises(Rejected, match="different workers"):
+        snapshot.load(cut, DEFAULT_MAX_SERIES)
+    with pytest.raises(Rejected, match="different workers"):  # cpu time without a heartbeat
+        snapshot.load(without(b'dataloader_worker_cpu_seconds_total{loader="t",rank="0",'
+                              b'worker="1"}')(older), DEFAULT_MAX_SERIES)
+
+
+def family_dropped(data: bytes, metric: cat.Metric) -> bytes:
+    """The snapshot without one family: its HELP, TYPE and sample lines."""
+    name = metric.name.encode()
+    return b"".join(line for line in data.splitlines(keepends=True)
+                    if not line.startswith((b"# HELP " + name + b" ", b"# TYPE " + name + b" ",
+                                            name + b"{", name + b" ")))
+
+
+def test_only_the_families_added_since_an_older_writer_may_be_missing(
+        two_loaders: bytes) -> None:
+    for metric in cat.ADDED:
+        older = family_dropped(two_loaders, metric)
+        assert len(older) < len(two_loaders)
+        assert snapshot.load(older, DEFAULT_MAX_SERIES).owners.keys() == {("t", "1"),
+                                                                          ("v", "1")}
+    with pytest.raises(Rejected, match="1 trainer families missing"):
+        snapshot.load(family_dropped(two_loaders, cat.BATCH_BYTES), DEFAULT_MAX_SERIES)
+
+
+def test_a_step_histogram_in_neither_its_layout_nor_its_former_one_is_rejected(
+        good: bytes) -> None:
+    line = b'dataloader_step_seconds_bucket{le="0.1",loader="t",rank="0"}'
+    assert line in good
+    with pytest.raises(Rejected, match=cat.STEP.name):
+        snapshot.load(without(line)(good), DEFAULT_MAX_SERIES)
 
 
 def test_files_over_the_size_bound_are_skipped_and_never_read_whole(

@@ -9,19 +9,23 @@ size bound, and is accepted only if it is exactly what instrument's snapshot wri
 writes:
 
 - every trainer family of the catalogue, once, with the catalogue's type, and no other
-  family (no ``_created`` samples either: the writer's families carry no creation time);
+  family (no ``_created`` samples either: the writer's families carry no creation time)
+  but the retired ones older writers still write (cat.RETIRED), validated as any other
+  and dropped: never served, since the catalogue no longer has them; an older writer's
+  file may lack the families added since (cat.ADDED);
 - on each sample exactly the catalogue's label names (plus ``le`` on buckets), no
   series twice, counters finite and >= 0;
 - histograms whole: per label set one of the catalogue's bucket layouts in order (for
   dataloader_time_seconds each phase's, cat.PHASE_BUCKETS, and the fetch layout that
-  older writers used for both), or none (the large-job setting, core/seriesmode.py), then
-  ``+Inf``, ``_count`` and ``_sum``; bucket
+  older writers used for both; a layout older writers used, cat.FORMER_BUCKETS), or none
+  (the large-job setting, core/seriesmode.py), then ``+Inf``, ``_count`` and ``_sum``; bucket
   counts whole numbers, cumulative, ``_count`` equal to the ``+Inf`` bucket, ``_sum``
   finite and >= 0;
 - the writer's invariants per (loader, rank): the batch, epoch and lost-worker counters
   are there for every loader the file names (a histogram only once it holds an
-  observation, the transfer counter once to_device ran), the three per-worker families
-  name the same workers, and a loader that started an epoch has its dataloader_info.
+  observation, the transfer counter once to_device ran), the per-worker families name
+  the same workers (samples: some of them), and a loader that started an epoch has its
+  dataloader_info.
   With every family required, these make a file cut at any line boundary invalid: the
   writer's last family is dataloader_info, and a cut inside it leaves a loader that
   started an epoch without its info.
@@ -62,12 +66,16 @@ _OPEN_FLAGS = (os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY
                | getattr(os, "O_CLOEXEC", 0))
 _CHUNK = 1 << 20
 _TRAINER: dict[str, cat.Metric] = {m.name: m for m in cat.ALL if m.source == cat.TRAINER}
+_RETIRED: dict[str, cat.Metric] = {m.name: m for m in cat.RETIRED}
+_ADDED = frozenset(m.name for m in cat.ADDED)
 # What instrument/loader_collector.py writes for every (loader, rank) it knows.
 # (Not samples: a count that cannot be known is left out, instrument/hotpath_batch.py.)
 _ALWAYS = frozenset(m.name for m in (cat.BATCHES, cat.EPOCHS, cat.WORKERS_LOST))
 _PHASES = frozenset((cat.PHASE_FETCH, cat.PHASE_TRANSFER))
 _INF_ONLY = ("+Inf",)
-_WORKER_FAMILIES = (cat.WORKER_CPU.name, cat.WORKER_SAMPLES.name, cat.WORKER_HEARTBEAT.name)
+# Every worker with CPU time has a heartbeat where an older writer wrote them; its samples
+# may be unknown.
+_CPU, _WORKER_SAMPLES, (_HEARTBEAT,) = cat.WORKER_CPU.name, cat.WORKER_SAMPLES.name, _RETIRED
 
 
 class Rejected(Exception):
@@ -141,7 +149,7 @@ def load(data: bytes, max_series: int) -> Snapshot:
     series = text.count("\n") - comments
     if series > max_series:
         raise Rejected(TOO_MANY_SERIES, f"{series} series, more than {max_series}")
-    if comments > 2 * len(_TRAINER):
+    if comments > 2 * (len(_TRAINER) + len(_RETIRED)):
         raise _invalid(f"{comments} comment lines, more than the catalogue's families need")
     try:
         families = parse(text)
@@ -158,22 +166,29 @@ def validate(families: list[ParsedFamily]) -> Snapshot:
     """The families as a Snapshot if they are exactly what the writer writes."""
     owners: dict[Owner, dict[str, list[Sample]]] = {}
     lines: dict[Owner, dict[str, list[str]]] = {}
-    series = 0
+    series = retired = 0
     for position, fam in enumerate(families, 1):
         shape = _SHAPES.get(fam.name)
         if shape is None:
             raise _invalid(f"family {position} is not a trainer metric of the catalogue")
         if fam.type != shape.metric.type:
             raise _invalid(f"{shape.metric.name} is not a {shape.metric.type}")
+        served = lines
+        if fam.name in _RETIRED:
+            retired += 1
+            served = {}  # checked (_consistent reads its samples), not served
         if fam.type == cat.HISTOGRAM:
-            _histogram(shape, fam, owners, lines)
+            _histogram(shape, fam, owners, served)
         else:
-            _simple(shape, fam, owners, lines)
-        series += len(fam.samples)
-    missing = len(_TRAINER) - len(families)  # the parser refuses a family twice
-    if missing:
+            _simple(shape, fam, owners, served)
+        if served is lines:
+            series += len(fam.samples)
+    # The parser refuses a family twice; an older writer's file lacks the families added
+    # since, which are never its last (dataloader_info): a file cut short still lacks one.
+    missing = len(_TRAINER) - len(families) + retired
+    if missing and missing != len(_ADDED - {f.name for f in families}):
         raise _invalid(f"{missing} trainer families missing (cut short?)")
-    _consistent(owners)
+    _consistent(owners, beats=retired > 0)
     return Snapshot(series, {owner: {name: "".join(chunk) for name, chunk in by_family.items()}
                              for owner, by_family in lines.items()})
 
@@ -187,18 +202,25 @@ class _Shape:
     loader: int  # where loader and rank are among them
     rank: int
     bounds: tuple[str, ...]  # le values, as instrument/hotpath_recorder.py writes them
-    layouts: dict[str, tuple[str, ...]]  # every layout allowed, by its first le
+    # Every layout allowed, by its first two le values (the second "" for +Inf alone: the
+    # next line is _count's): a former layout may share its first le with the current one.
+    layouts: dict[tuple[str, str], tuple[str, ...]]
 
     @staticmethod
     def of(metric: cat.Metric) -> _Shape:
         names = tuple(sorted(metric.labels))
         layouts = [(*(repr(float(b)) for b in buckets), "+Inf") for buckets in (
-            metric.buckets, *(cat.PHASE_BUCKETS.values() if "phase" in metric.labels else ()))]
+            metric.buckets, *(cat.PHASE_BUCKETS.values() if "phase" in metric.labels else ()),
+            *cat.FORMER_BUCKETS.get(metric.name, ()))]
+        keyed = {(bounds[0], bounds[1] if len(bounds) > 1 else ""): bounds
+                 for bounds in (*layouts, _INF_ONLY)}
+        if len(keyed) != len(set((*layouts, _INF_ONLY))):
+            raise ValueError(f"{metric.name}: two bucket layouts begin alike")
         return _Shape(metric, names, names.index("loader"), names.index("rank"), layouts[0],
-                      {bounds[0]: bounds for bounds in (*layouts, _INF_ONLY)})
+                      keyed)
 
 
-_SHAPES = {name: _Shape.of(m) for name, m in _TRAINER.items()}
+_SHAPES = {name: _Shape.of(m) for name, m in (*_TRAINER.items(), *_RETIRED.items())}
 _new = tuple.__new__  # Sample(...) without its Python-level __new__: twice as fast
 
 
@@ -235,8 +257,9 @@ def _histogram(shape: _Shape, fam: ParsedFamily, owners: dict[Owner, dict[str, l
     seen: set[Labels] = set()
     start = 0
     while start < len(samples):
-        # One of the layouts, known by its first le (+Inf alone: the large-job setting).
-        bounds = shape.layouts.get(samples[start][1].le, shape.bounds)
+        # One of the layouts, known by its first two le (+Inf alone: the large-job setting).
+        second = samples[start + 1][1].le if start + 1 < len(samples) else ""
+        bounds = shape.layouts.get((samples[start][1].le, second), shape.bounds)
         width = len(bounds) + 2
         group = samples[start:start + width]
         start += width
@@ -272,18 +295,18 @@ def _histogram(shape: _Shape, fam: ParsedFamily, owners: dict[Owner, dict[str, l
                     f"{sname}{slabels.text} {float_text(svalue)}\n")
 
 
-def _consistent(owners: dict[Owner, dict[str, list[Sample]]]) -> None:
-    """The writer's invariants across families, per (loader, rank)."""
+def _consistent(owners: dict[Owner, dict[str, list[Sample]]], beats: bool) -> None:
+    """The writer's invariants across families, per (loader, rank); beats: the file has
+    the retired per-worker heartbeat family (an older writer's)."""
     for by_family in owners.values():
         if not by_family.keys() >= _ALWAYS:
             raise _invalid("a loader without all of its latency histograms and counters")
         phases = [s.labels.get("phase") for s in by_family.get(cat.TIME.name, ())]
         if not set(phases) <= _PHASES:
             raise _invalid(f"{cat.TIME.name}: a phase other than fetch and transfer")
-        workers = [[s.labels["worker"] for s in by_family.get(name, ())]
-                   for name in _WORKER_FAMILIES]
-        # Every worker with CPU time has a heartbeat; its samples may be unknown.
-        if workers[0] != workers[2] or not set(workers[1]) <= set(workers[0]):
+        cpu, samples, beat = ([s.labels["worker"] for s in by_family.get(name, ())]
+                              for name in (_CPU, _WORKER_SAMPLES, _HEARTBEAT))
+        if (beats and beat != cpu) or not set(samples) <= set(cpu):
             raise _invalid("the per-worker families name different workers")
         epochs = by_family[cat.EPOCHS.name][0].value
         if epochs > 0 and cat.INFO.name not in by_family:
