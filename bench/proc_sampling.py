@@ -63,7 +63,7 @@ def main() -> int:
           f"(once a second: {per_second:.2%} of a core); PSS {pss_each * 1000:.1f} ms a read, "
           f"held to {tracker.proc._pss.budget:.1%}; in all at most {share:.2%} of a core")
     print(f"live workers read: {len(tracker.proc.live)}, RSS "
-          f"{(fig.rss_bytes if fig else 0) / 2**20:.0f} MiB")
+          f"{((fig.rss_bytes or 0) if fig else 0) / 2**20:.0f} MiB")
     ok = share <= BUDGET * max(1, workers / 16)
     print(f"{'PASS' if ok else 'FAIL'}  at most {BUDGET:.0%} of a core for 16 workers")
     print(json.dumps({"workers": workers, "reading_cpu_seconds": per_second,

@@ -11,8 +11,10 @@ worker and never inspects. While the iterator starts its workers it sees a
 before ``iter()`` returns.
 
 At the end of each batch a worker writes into its row of an int64 block: the process's
-CPU time so far, samples collated, the wall time (ns), its pid, and two flags that keep
-sample counts honest (hotpath_batch.py): UNCOUNTED, batches whose samples it could not
+CPU time so far, samples collated, the wall time (ns), its pid, its thread's run-queue
+wait (one pread of a schedstat file it keeps open), the first batch's CPU, wait and wall
+time, and two flags that keep sample counts honest (hotpath_batch.py): UNCOUNTED,
+batches whose samples it could not
 count (batch_size=None items that are not recognisably batches), and MISCOUNTED, batches
 of a custom collate_fn whose count as the main process reads it (batch_len) differs from
 the samples the collate_fn was given. The main process exports no sample count that one
@@ -39,12 +41,37 @@ from torch.utils.data import get_worker_info
 from .hotpath_batch import batch_len, item_len
 
 CPU, SAMPLES, HEARTBEAT, PID, UNCOUNTED, MISCOUNTED = range(6)
-_FIELDS = 6
+# The worker's thread's run-queue wait (ns, -1: unreadable) as of its latest batch, and
+# CPU, wait and wall time as of its first: a pool too short-lived for two /proc readings
+# still says where its workers' time went between the two (worker_tracker.py).
+WAIT, FIRST_CPU, FIRST_WAIT, FIRST_BEAT = range(6, 10)
+_FIELDS = 10
+_SCHEDSTAT = "/proc/thread-self/schedstat"
 
 
 def new_block(num_workers: int) -> torch.Tensor:
-    """A zeroed [num_workers, 6] int64 block in shared memory."""
+    """A zeroed [num_workers, _FIELDS] int64 block in shared memory."""
     return torch.zeros((num_workers, _FIELDS), dtype=torch.int64).share_memory_()
+
+
+def own_figures(block: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """Each worker's own figures from its first batch to its last: (pid, CPU ns, run-queue
+    wait ns or -1 where unreadable, wall ns), for workers that finished a batch."""
+    out = []
+    for row in block.numpy().tolist():
+        if row[FIRST_BEAT] and row[PID]:
+            wait = -1 if min(row[WAIT], row[FIRST_WAIT]) < 0 else row[WAIT] - row[FIRST_WAIT]
+            out.append((row[PID], row[CPU] - row[FIRST_CPU], wait,
+                        row[HEARTBEAT] - row[FIRST_BEAT]))
+    return out
+
+
+def _wait_ns(fd: int) -> int:
+    """This thread's run-queue wait so far (schedstat's 2nd field), -1 if unreadable."""
+    try:
+        return int(os.pread(fd, 128, 0).split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 class TimedCollate:
@@ -65,10 +92,11 @@ class TimedCollate:
         self.verify = verify
         self.on_miscount = on_miscount
         self._row: Any = None  # this process's row; False where there is none
+        self._fd = -1  # this worker thread's schedstat, opened with its row
 
     def __getstate__(self) -> dict[str, Any]:
         return {"collate_fn": self.collate_fn, "block": self.block, "batched": self.batched,
-                "verify": self.verify, "on_miscount": None, "_row": None}
+                "verify": self.verify, "on_miscount": None, "_row": None, "_fd": -1}
 
     def __call__(self, data: Any) -> Any:
         out = self.collate_fn(data)
@@ -96,6 +124,9 @@ class TimedCollate:
             row[MISCOUNTED] += 1
         row[CPU] = time.process_time_ns()
         row[HEARTBEAT] = time.time_ns()
+        row[WAIT] = _wait_ns(self._fd) if self._fd >= 0 else -1
+        if not row[FIRST_BEAT]:
+            row[FIRST_CPU], row[FIRST_WAIT], row[FIRST_BEAT] = row[CPU], row[WAIT], row[HEARTBEAT]
         return out
 
     def _bind(self) -> Any:
@@ -107,6 +138,10 @@ class TimedCollate:
                 return False
             row = self.block.numpy()[info.id]
             row[PID] = os.getpid()
+            try:  # kept open for the worker's life: one pread a batch
+                self._fd = os.open(_SCHEDSTAT, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._fd = -1
             return row
         except Exception:  # metrics must never stop a worker
             return False

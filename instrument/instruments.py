@@ -100,7 +100,7 @@ class Instruments:
         rec = self.rec
         fig = rec.workers.proc_figures()
         live = rec.workers.active or 0
-        rss = fig.rss_bytes // live if fig is not None and live else None
+        rss = fig.rss_bytes // live if fig is not None and fig.rss_bytes and live else None
         who = f" (worker pid {pid})" if pid else ""
         text = failure_causes.fix(cause, seen, self.config, max(rec.batch_bytes, 0),
                             local_world_size(), shm_space(SHM_PATH), rss)

@@ -171,7 +171,8 @@ def _proc_families(recs: list[LoaderRecorder], job: bool) -> Iterator[Family]:
                     fam.add_metric([*lr, label], v / scale)
         if fig.major_faults is not None:
             faults_f.add_metric(lr, fig.major_faults)
-        max_f.add_metric(lr, fig.max_rss_bytes)
+        if fig.max_rss_bytes is not None:
+            max_f.add_metric(lr, fig.max_rss_bytes)
     yield from (time_f, read_f, faults_f, memory_f, max_f, fail_f)
 
 

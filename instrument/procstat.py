@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PROC = "/proc"
+ROOM_EVERY = 0.9  # seconds between two readings of the memory room
 PSS_BUDGET = 0.004  # of one core, for reading PSS (its cost grows with the worker's memory)
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -67,18 +68,22 @@ def _read(path: str) -> bytes | None:
         return None
 
 
-def _fields(text: bytes) -> dict[bytes, int]:
-    """"key: value [kB]" lines as {key: value in bytes or units}."""
-    out = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(b":")
-        parts = rest.split()
-        if parts:
-            try:
-                out[key] = int(parts[0]) * (1024 if parts[1:2] == [b"kB"] else 1)
-            except ValueError:
-                continue
-    return out
+def _field(text: bytes, key: bytes) -> int | None:
+    """The value of a "key: value [kB]" line (in bytes where kB), or None: found
+    directly, not by parsing every line (a status file has about 55)."""
+    head = key + b":"
+    if text.startswith(head):
+        at = 0
+    else:
+        at = text.find(b"\n" + head) + 1
+        if not at:
+            return None
+    end = text.find(b"\n", at)
+    parts = text[at + len(head):end if end >= 0 else len(text)].split()
+    try:
+        return int(parts[0]) * (1024 if parts[1:2] == [b"kB"] else 1)
+    except (IndexError, ValueError):
+        return None
 
 
 def _waiting_ns(base: str) -> int | None:
@@ -150,8 +155,8 @@ def sample(pid: int, proc: str = PROC) -> ProcSample | None:
     except (IndexError, ValueError):
         return None
     now_ns = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
-    status = _fields(_read(f"{base}/status") or b"")
-    io = _fields(_read(f"{base}/io") or b"")
+    status = _read(f"{base}/status") or b""
+    io = _read(f"{base}/io") or b""
     return ProcSample(
         start_ticks=start,
         wall_ns=max(0, now_ns - start * 1_000_000_000 // _TICK),
@@ -159,9 +164,9 @@ def sample(pid: int, proc: str = PROC) -> ProcSample | None:
         waiting_ns=_waiting_ns(base),
         major_faults=majflt,
         rss_bytes=rss_pages * _PAGE,
-        swap_bytes=status.get(b"VmSwap"),
-        read_storage=io.get(b"read_bytes"),
-        read_syscalls=io.get(b"rchar"),
+        swap_bytes=_field(status, b"VmSwap"),
+        read_storage=_field(io, b"read_bytes"),
+        read_syscalls=_field(io, b"rchar"),
     )
 
 
@@ -203,7 +208,7 @@ class PssReader:
             t0 = time.thread_time()
             fresh = {}
             for pid in pids:
-                pss = _fields(_read(f"{self.proc}/{pid}/smaps_rollup") or b"").get(b"Pss")
+                pss = _field(_read(f"{self.proc}/{pid}/smaps_rollup") or b"", b"Pss")
                 if pss is not None:
                     fresh[pid] = pss
             self.last = fresh
@@ -223,8 +228,8 @@ class Figures:
     major_faults: int | None
     read_storage: int | None
     read_syscalls: int | None
-    rss_bytes: int
-    max_rss_bytes: int
+    rss_bytes: int | None  # None: no worker read from /proc (figures from their own)
+    max_rss_bytes: int | None
     pss_bytes: int | None
     swap_bytes: int | None
     available_bytes: int | None  # the least memory room seen while batches flowed
@@ -238,15 +243,20 @@ class ProcAccount:
     """The /proc figures of one loader's workers. Time, reads and faults count only the
     intervals between two samples of a worker in which the loader handed out batches:
     persistent workers idle between epochs (or while another loader runs) are not
-    "blocked". A worker's start and its last second are not seen."""
+    "blocked". A worker's start and its last second are not seen. A pool that ends before
+    two samples of a worker (an epoch under a second) has its time counted from the
+    workers' own figures instead (unsampled)."""
 
     def __init__(self, proc: str = PROC) -> None:
         self.proc = proc
         self.live: dict[int, ProcSample] = {}
         self._sums: dict[str, int | None] = dict.fromkeys(_SUMMED, 0)
         self._intervals = 0  # intervals counted: none (short-lived workers) is unknown
+        self._own = 0  # workers' time counted from their own figures (unsampled)
+        self._counted: set[int] = set()  # live workers with an interval counted
         self._peak_rss = 0
         self._room: int | None = None
+        self._room_next = 0.0
         self._pss = PssReader(proc)
         self._pss_now: dict[int, int] = {}
 
@@ -255,7 +265,8 @@ class ProcAccount:
         """Samples the live workers `pids`; active: the loader handed out batches since
         the last samples. A worker that cannot be read has ended. room: the memory this
         process's container may still allocate, kept as its low-water mark while active."""
-        if active and pids and room is not None:
+        if active and pids and room is not None and now >= self._room_next:
+            self._room_next = now + ROOM_EVERY  # forced readings come sooner: not for this
             now_room = room()
             if now_room is not None:
                 self._room = now_room if self._room is None else min(self._room, now_room)
@@ -266,6 +277,7 @@ class ProcAccount:
                 continue
             if active and old is not None and old.start_ticks == got.start_ticks:
                 self._intervals += 1
+                self._counted.add(pid)
                 for name in _SUMMED:
                     new, was, total = getattr(got, name), getattr(old, name), self._sums[name]
                     self._sums[name] = (None if new is None or was is None or total is None
@@ -277,20 +289,39 @@ class ProcAccount:
     def end(self, pid: int) -> None:
         """A worker ended."""
         self.live.pop(pid, None)
+        self._counted.discard(pid)
+
+    def unsampled(self, own: list[tuple[int, int, int, int]]) -> None:
+        """An ended pool's workers that no interval counted: their time from their first
+        batch to their last, as each measured it (pid, CPU ns, its thread's run-queue
+        wait ns, wall ns; hotpath_workerblock.py): running, waiting, and the rest blocked.
+        Reads and faults are not known for it."""
+        for pid, cpu, wait, wall in own:
+            if pid in self._counted or wall <= 0 or wait < 0 or cpu < 0:
+                continue
+            self._own += 1
+            for name, v in (("running_ns", cpu), ("waiting_ns", wait),
+                            ("blocked_ns", max(0, wall - cpu - wait))):
+                total = self._sums[name]
+                self._sums[name] = None if total is None else total + v
 
     def figures(self) -> Figures | None:
         """None until a worker has been read (no workers, or no /proc: unknown)."""
-        if not self.live and not self._peak_rss:
+        if not self.live and not self._peak_rss and not self._own:
             return None
         live = list(self.live.values())
         swaps = [s.swap_bytes for s in live]
         pss = [self._pss_now.get(pid) for pid in self.live]
-        sums = self._sums if self._intervals else dict.fromkeys(_SUMMED)
+        sums = dict(self._sums) if self._intervals or self._own else dict.fromkeys(_SUMMED)
+        if not self._intervals:  # the workers' own figures hold no reads or faults
+            sums.update(dict.fromkeys(_SUMMED[3:]))
+        seen = bool(self.live or self._peak_rss)
         return Figures(
             running_ns=sums["running_ns"], waiting_ns=sums["waiting_ns"],
             blocked_ns=sums["blocked_ns"], major_faults=sums["major_faults"],
             read_storage=sums["read_storage"], read_syscalls=sums["read_syscalls"],
             available_bytes=self._room,
-            rss_bytes=sum(s.rss_bytes for s in live), max_rss_bytes=self._peak_rss,
+            rss_bytes=sum(s.rss_bytes for s in live) if seen else None,
+            max_rss_bytes=self._peak_rss if seen else None,
             pss_bytes=None if None in pss else sum(p for p in pss if p is not None),
             swap_bytes=None if None in swaps else sum(s for s in swaps if s is not None))

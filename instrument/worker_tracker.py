@@ -45,7 +45,7 @@ from .failure_causes import (
     is_torch_worker_error,
     oom_watch,
 )
-from .hotpath_workerblock import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED
+from .hotpath_workerblock import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED, own_figures
 from .procstat import Figures, Liveness, LoopAccount, ProcAccount
 
 
@@ -178,6 +178,8 @@ class WorkerTracker:
             self._stops += 1
             if gen is not None:
                 gen.watched = False
+                if gen.block is not None:  # a pool too short for two /proc readings
+                    self.proc.unsampled(own_figures(gen.block))
                 for pid in gen.all_pids():
                     self._liveness.forget(pid)
                     self.proc.end(pid)

@@ -404,8 +404,9 @@ def test_the_first_epoch_with_workers_has_their_shares_with_no_reader(
     iter(loader)  # judges the epoch with it
     assert seen[0].setting.workers == 0 and seen[1].setting.workers >= 1, seen
     assert seen[0].running is None  # no workers: no shares
-    assert seen[1].running is not None and seen[1].running > 0.5, seen[1]
-    assert seen[1].waiting_cpu is not None
+    assert seen[1].running is not None and seen[1].waiting_cpu is not None, seen[1]
+    # CPU-bound: on a CPU or, on a busy machine, waiting for one; not blocked.
+    assert seen[1].running + seen[1].waiting_cpu > 0.5, seen[1]
 
 
 class MainProcessOnly(BurnDataset):
