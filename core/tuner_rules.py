@@ -61,8 +61,8 @@ class Budget:
     """What this rank may use: cores for its workers (the advisor's share per local
     rank, less one for a loop on the CPU), the room left in memory and /dev/shm, the
     cores as CPU time for the model (its share of the machine's; the loop's own use is
-    measured) and the most workers the process and open-file limits allow (None:
-    unknown)."""
+    measured) and how many more workers than now the process and open-file limits
+    allow (None: unknown)."""
 
     cores: int
     memory_room: int | None = None
@@ -260,12 +260,12 @@ class Tuner:
     def _cap(self, epoch: Epoch) -> int:
         """The most workers: the model's ceiling on the rank's CPU time (without its figures,
         its cores or its last ceiling), within the process and open-file limits."""
-        cpus = self.budget.cpus
-        if cpus is not None and epoch.load is not None:
+        if (cpus := self.budget.cpus) is not None and epoch.load is not None:
             cap = self._ceiling = ceiling(cpus)
         else:  # a window without the figures does not undo what they said
             cap = max(self.budget.cores, self._ceiling)
-        return cap if self.budget.limit is None else max(0, min(cap, self.budget.limit))
+        room = self.budget.limit
+        return cap if room is None else max(0, min(cap, epoch.setting.workers + room))
 
     def _grow(self, epoch: Epoch) -> Decision | None:
         if not self.workers or "num_workers+" in self._exhausted:

@@ -1,6 +1,6 @@
 """What this rank may use now, as the loader tuner reads it before each decision: its
 cores, the memory more workers may still take, /dev/shm free, and the workers the
-open-file limit allows.
+open-file and process limits allow.
 
 Read each time, never cached: a container's limit, a neighbour's memory and the other
 ranks' workers change while a job runs. A figure that cannot be read is None, which
@@ -15,7 +15,7 @@ import resource
 import torch
 
 from dataloader_exporter.core import advisor, bands
-from dataloader_exporter.core.facts.cgroup import cgroup_memory_limit
+from dataloader_exporter.core.facts.cgroup import cgroup_memory_limit, cgroup_pids_room
 from dataloader_exporter.core.facts.memory import host_memory
 from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
 from dataloader_exporter.core.tuner_rules import Budget
@@ -39,18 +39,24 @@ def memory_budget() -> int | None:
 
 
 FDS_PER_WORKER = 8  # descriptors a worker holds open in the training process (queues, pipes)
+PIDS_PER_WORKER = 4  # a worker process and the threads it may start
 
 
 def worker_limit() -> int | None:
-    """Workers the open-file limit still allows (RLIMIT_NOFILE less those open now), or
-    None when unlimited or unreadable."""
+    """More workers the open-file limit (RLIMIT_NOFILE less those open now) and the
+    container's process limit (its pids cgroup) still allow, the fewer of the two; None
+    when neither limits or can be read."""
+    limits = []
     try:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft == resource.RLIM_INFINITY:
-            return None
-        return max(0, (soft - len(os.listdir("/proc/self/fd"))) // FDS_PER_WORKER)
+        if soft != resource.RLIM_INFINITY:
+            limits.append(max(0, (soft - len(os.listdir("/proc/self/fd"))) // FDS_PER_WORKER))
     except (OSError, ValueError):
-        return None
+        pass
+    pids = cgroup_pids_room()
+    if pids is not None:
+        limits.append(pids // PIDS_PER_WORKER)
+    return min(limits) if limits else None
 
 
 def budget() -> Budget:

@@ -210,3 +210,12 @@ def test_a_window_without_the_workers_figures_keeps_the_blocked_workers_the_mode
     decision = fresh.observe(replace(blind, setting=Setting(n, 2)),
                              budget_for(STORAGE, Setting(n, 2)))
     assert decision is not None and decision.reason == "cores"
+
+
+def test_the_limits_room_is_for_workers_beyond_those_running() -> None:
+    """8 blocked workers running, room for 2 more in the open-file and process limits:
+    the tuner goes to 10, and never cuts the 8 to the room."""
+    tuner = Tuner(Setting(8, 2))
+    epoch = STORAGE.window(Setting(8, 2), random.Random(0))
+    decision = tuner.observe(epoch, budget_for(STORAGE, Setting(8, 2), limit=2))
+    assert decision is not None and decision.setting.workers == 10, decision

@@ -143,3 +143,37 @@ class OomKills:
     def count(self) -> int | None:
         """The count now; None when the kernel does not say."""
         return None if self.source is None else _count(self.source, "oom_kill")
+
+
+def _controller_path(proc_root: Path, controller: str) -> str:
+    """This process's cgroup v1 path for `controller` ("/" if unknown or outside our
+    namespace)."""
+    try:
+        text = (proc_root / "self" / "cgroup").read_text()
+    except OSError:
+        return "/"
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and controller in parts[1].split(","):
+            path = parts[2]
+            return path if path.startswith("/") and ".." not in path.split("/") else "/"
+    return "/"
+
+
+def cgroup_pids_room(proc_root: str = PROC, cgroup_root: str = CGROUP) -> int | None:
+    """Processes and threads this process's pids cgroup may still start (pids.max less
+    pids.current; v2, then v1), the least over its cgroup and the mount's root (a
+    container's own); None where none sets a limit or it cannot be read."""
+    root, proc = Path(cgroup_root), Path(proc_root)
+    v2, _ = own_cgroups(proc)
+    v1 = _controller_path(proc, "pids")
+    rooms = []
+    for d in dict.fromkeys((root / v2.lstrip("/"), root, root / "pids" / v1.lstrip("/"),
+                            root / "pids")):
+        try:
+            limit, current = read_value(d / "pids.max"), read_value(d / "pids.current")
+        except (OSError, ValueError):
+            continue
+        if limit is not None and current is not None:
+            rooms.append(max(0, limit - current))
+    return min(rooms) if rooms else None
