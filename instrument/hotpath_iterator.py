@@ -27,30 +27,41 @@ FullBatches = tuple[int, Any]
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
-BYTES_EVERY = 64  # batches between two samples of the batch size in bytes
+BYTES_EVERY = 256  # batches between two samples of a batch's bytes (each a walk, ~1 µs)
+
+
+class _Hot:
+    """What TimedIterator.__next__ reads for every batch, on an object of its own:
+    TimedIterator delegates attributes (__getattr__), which makes CPython look every
+    attribute of its own up the slow way, about 50 ns each; this is looked up once a batch."""
+
+    __slots__ = ("it", "last", "mark", "rec", "size")
+
+    def __init__(self, it: Any, rec: Any) -> None:
+        self.it = it
+        self.rec = rec
+        self.last = 0  # perf_counter_ns of the iterator's last batch (0: none yet)
+        # Full batches counted without a walk (TimedIterator._arm): while rec.batches <
+        # mark, a batch holds `size` samples and nothing else is due; 0: every batch walks.
+        self.mark = 0
+        self.size = 0
 
 
 class TimedIterator:
     """Times each next() of the iterator it holds; everything else passes through."""
 
-    __slots__ = ("__weakref__", "_count", "_done", "_end", "_gen", "_it", "_last", "_mark",
-                 "_owner", "_probe", "_rec", "_resume", "_retry", "_size", "_sized", "_start")
+    __slots__ = ("__weakref__", "_count", "_done", "_end", "_gen", "_h", "_owner", "_probe",
+                 "_resume", "_retry", "_sized", "_start")
 
     def __init__(self, it: Any, owner: Instruments, start_ns: int, gen: int = 0,
                  count: Counter = loader_len, sized: FullBatches | None = None) -> None:
-        self._it = it
+        self._h = _Hot(it, owner.rec)
         self._count = count
-        # Full batches counted without a walk (_arm): while rec.batches < _mark, a batch
-        # holds _size samples and nothing else is due; 0: every batch takes the walk.
-        self._sized = sized
-        self._mark = 0
-        self._size = 0
+        self._sized = sized  # (size, sampler) until armed or found not to hold (_arm)
         self._end = 0
         self._owner = owner
-        self._rec = owner.rec
         self._start = start_ns
         self._gen = gen
-        self._last = 0
         self._done = False
         # The batch count at which a tuned loader's workers are sampled (0: never).
         self._probe = owner.probe_at(it) if owner.tuning_now else 0
@@ -59,42 +70,60 @@ class TimedIterator:
         # The tuner's mid-epoch change of a loader that resumes from its state_dict().
         self._resume: Callable[[], tuple[Any, int, Counter] | None] | None = None
 
+    @property
+    def _it(self) -> Any:
+        """The iterator timed (torch's, a held loader's, or the tuner's replacement)."""
+        return self._h.it
+
+    @_it.setter
+    def _it(self, it: Any) -> None:
+        self._h.it = it
+
     def __iter__(self) -> TimedIterator:
         return self
 
     def __next__(self) -> Any:
+        h = self._h  # the one attribute of self read for a full batch (see _Hot)
         t0 = perf_counter_ns()
         try:
-            batch = next(self._it)
+            batch = next(h.it)
         except StopIteration:
             self._finish(True)
             raise
         except Exception as e:
-            self._mark = 0  # a batch lost to an error: the full batches' count is off
+            h.mark = 0  # a batch lost to an error: the full batches' count is off
             self._sized = None
             retry, self._retry = self._retry, None
-            again = retry(e) if retry is not None and not self._last else None
+            again = retry(e) if retry is not None and not h.last else None
             if again is not None:  # the tuner's pool failed: the epoch without it
-                self._it, self._count = again
+                h.it, self._count = again
                 self._gen = 0
                 self._probe = 0
                 return self.__next__()
             self._finish(False, e)  # not the end: a loop may skip a bad batch and go on
             raise
         t1 = perf_counter_ns()
-        rec = self._rec
+        rec = h.rec
         rec.fetch.append(t1 - t0)
-        last = self._last
+        last = h.last
         if last:
             rec.step.append(t0 - last)
+            h.last = rec.last_batch_ns = t1
+            b = rec.batches = rec.batches + 1
+            if b < h.mark:  # a full batch, with no probe and no bytes due (_arm)
+                rec.samples += h.size
+                return batch
         else:
             self._retry = None
             self._owner.first_batch(batch, t1 - self._start)
-        self._last = rec.last_batch_ns = t1
-        b = rec.batches = rec.batches + 1
-        if b < self._mark:  # a full batch, with no probe and no bytes due (_arm)
-            rec.samples += self._size
-            return batch
+            h.last = rec.last_batch_ns = t1
+            b = rec.batches = rec.batches + 1
+        return self._walk(batch, b)
+
+    def _walk(self, batch: Any, b: int) -> Any:
+        """The batch's samples counted by its walk, its bytes sampled every BYTES_EVERY
+        batches, the tuner's probe and mid-epoch change when due (rec.batches now b)."""
+        rec = self._h.rec
         if b == self._probe:
             self._probe = self._owner.probed(self._probe)
             if self._resume is not None:
@@ -116,7 +145,7 @@ class TimedIterator:
 
     def _arm(self, b: int, n: int | None) -> None:
         """After a batch counted by its walk (n samples, rec.batches now b): the batches
-        up to the epoch's last full one (_end, in rec.batches) are counted as _size each,
+        up to the epoch's last full one (_end, in rec.batches) are counted as size each,
         but at each BYTES_EVERY-th batch. Armed at the first batch, only when it holds
         the batch size and nothing else reads the loop (no tuner probe or resume); a
         loader sharing the recorder only brings _end sooner, so the last, partial batch
@@ -132,12 +161,12 @@ class TimedIterator:
                 self._sized = None
                 return
             end = self._end = b + full - 1
-            self._size = size
+            self._h.size = size
         if b >= end:
-            self._mark = 0
+            self._h.mark = 0
             self._sized = None
             return
-        self._mark = min(end + 1, (b // BYTES_EVERY + 1) * BYTES_EVERY)
+        self._h.mark = min(end + 1, (b // BYTES_EVERY + 1) * BYTES_EVERY)
 
     def _resumed(self, resume: Callable[[], tuple[Any, int, Counter] | None]) -> None:
         """The tuner's pending mid-epoch change, if any: the iterator from here on."""
@@ -150,7 +179,7 @@ class TimedIterator:
             self._resume = None
             return
         if got is not None:
-            self._it, self._gen, self._count = got
+            self._h.it, self._gen, self._count = got
             self._probe = self._owner.probe_at(self._it) if self._owner.tuning_now else 0
 
     def _finish(self, clean: bool, exc: BaseException | None = None) -> None:
@@ -186,7 +215,7 @@ class CpuTimedIterator(TimedIterator):
         try:
             return TimedIterator.__next__(self)
         finally:
-            rec = self._rec
+            rec = self._h.rec
             rec.fetch_cpu_ns += thread_time_ns() - c0
             rec.fetch_cpu_n += 1
 
@@ -199,7 +228,7 @@ class QuietIterator(TimedIterator):
 
     def __next__(self) -> Any:
         try:
-            return next(self._it)
+            return next(self._h.it)
         except StopIteration:
             self._finish(True)
             raise

@@ -14,6 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import repeat, starmap
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from .worker_tracker import WorkerTracker
 # Durations kept per queue between two reads (snapshot writes or scrapes, normally every
 # second): 131072 batches of a few microseconds each, about 1 MB per queue at most.
 MAX_UNREAD = 1 << 17
+DRAIN_SLICE = 8192  # durations drained in one call from C: about 0.3 ms of a reader's time
 
 
 class DurationHistogram:
@@ -32,12 +34,13 @@ class DurationHistogram:
 
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self.bounds = buckets
+        self._les = [_le(b) for b in buckets]  # the bounds as the text format writes them
         self._bounds_ns = np.array([b * 1e9 for b in buckets], dtype=np.float64)
         self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)
         self.sum = 0.0
 
-    def add_ns(self, values: list[int]) -> None:
-        if not values:
+    def add_ns(self, values: list[int] | np.ndarray) -> None:
+        if not len(values):
             return
         arr = np.asarray(values, dtype=np.int64)
         # side="left": a value equal to a bound belongs in that bound's bucket (le).
@@ -46,9 +49,9 @@ class DurationHistogram:
         self.sum += float(arr.sum()) / 1e9
 
     def buckets(self) -> list[tuple[str, float]]:
-        cum = np.cumsum(self.counts)
-        out = [(_le(b), float(c)) for b, c in zip(self.bounds, cum[:-1], strict=True)]
-        out.append(("+Inf", float(cum[-1])))
+        cum = np.cumsum(self.counts, dtype=np.float64).tolist()
+        out = list(zip(self._les, cum, strict=False))  # cum has one more: +Inf's
+        out.append(("+Inf", cum[-1]))
         return out
 
 
@@ -56,9 +59,18 @@ def _le(bound: float) -> str:
     return repr(float(bound))
 
 
-def _drain(q: deque[int]) -> list[int]:
-    pop = q.popleft
-    return [pop() for _ in range(len(q))]
+def _drain(q: deque[int]) -> np.ndarray:
+    """The values in q, taken out of it while the loop's thread may append: the first
+    len(q), one popleft at a time called from C, some 40% faster than a list of poplefts.
+    In slices of DRAIN_SLICE, between which a loop waiting for the interpreter lock gets it
+    (after its switch interval), as it did between the poplefts of a list."""
+    n = len(q)
+    parts = [np.empty(0, np.int64)]
+    while n > 0:
+        k = min(n, DRAIN_SLICE)
+        parts.append(np.fromiter(starmap(q.popleft, repeat((), k)), np.int64, k))
+        n -= k
+    return parts[-1] if len(parts) <= 2 else np.concatenate(parts, dtype=np.int64)
 
 
 class LoaderRecorder:
@@ -116,7 +128,8 @@ class LoaderRecorder:
             self.fetch_h.add_ns(_drain(self.fetch))
             self.step_h.add_ns(_drain(self.step))
             self.first_h.add_ns(_drain(self.first))
-            self.transfer_h.add_ns(_drain(self.transfer) + self._completed_events())
+            self.transfer_h.add_ns(_drain(self.transfer))
+            self.transfer_h.add_ns(self._completed_events())
         if self.samples_known and self.workers.miscounted():
             self.samples_known = False
         self.workers.refresh(time.monotonic() if now is None else now, batches=self.batches,
