@@ -72,11 +72,11 @@ class Judge:
             self.trial = []
         return verdict, mean
 
-    def drifted(self, rate: float, settled: float, waiting: bool) -> bool:
+    def drifted(self, rate: float, settled: float, waiting: bool, times: int = 1) -> bool:
         """Whether a settled setting's rate has fallen DRIFT below `settled` for
-        DRIFT_WINDOWS windows running while the loop waits for input."""
+        DRIFT_WINDOWS (x `times`) windows running while the loop waits for input."""
         if waiting and settled > 0 and rate < settled * (1 - DRIFT):
             self.drifting += 1
         else:
             self.drifting = 0
-        return self.drifting >= DRIFT_WINDOWS
+        return self.drifting >= DRIFT_WINDOWS * times

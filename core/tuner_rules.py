@@ -2,17 +2,14 @@
 seconds of one) to the next window's num_workers and prefetch_factor, or to no change.
 Pure: the instrumentation feeds it what it measured and applies what it decides.
 
-Rules, from measured figures only (a figure that is unknown blocks the move it would
-justify, never guesses it):
-- more workers only while the loop waits for input (stall share at or over
-  bands.MODERATE) and no worker waits for a CPU (under bands.CPU_CONTENTION): straight to
-  the count the model (core/tuner_model.py) predicts removes the wait, from the
-  per-batch figures measured (how long a batch takes to make and how much of that is CPU,
-  the loop's time and CPU), within the budget: the rank's cores as CPU time, not a worker
-  per core (blocked workers take a small share each), the memory the new workers take
-  against the room left, the batches in flight against /dev/shm, the process and
-  open-file limits. Without the per-batch figures: one worker more, or twice as many,
-  while the workers run most of their time, up to the rank's cores;
+Rules, from measured figures only (an unknown figure blocks the move it would justify):
+- more workers only while the loop waits for input (stall at or over bands.MODERATE) and
+  no worker waits for a CPU (under bands.CPU_CONTENTION): straight to the count the model
+  (core/tuner_model.py) predicts removes the wait, from the per-batch figures (how long a
+  batch takes to make and how much of it is CPU, the loop's time and CPU), within the
+  budget: the rank's cores as CPU time (blocked workers take a small share each), memory,
+  /dev/shm, the process and open-file limits. Without the per-batch figures: one worker
+  more, or twice as many, while the workers run most of their time, up to the cores;
 - fewer workers when CPU-bound workers outnumber the rank's cores or wait for a CPU, or
   when memory would not hold them; never none, for a loader that has workers;
 - a deeper queue (prefetch_factor) when the loop waits in bursts (p95 far above the
@@ -21,8 +18,9 @@ justify, never guesses it):
   noise measured (core/tuner_judge.py): kept, undone (back to the best, that way never
   again), or measured once more: never slower than its own settings past a window or two.
   After MAX_TRIALS, or when no rule fires, it is stable (where the loop waits but the
-  workers' shares are unknown, it waits UNSEEN_EPOCHS epochs for them), but for drift: a
-  rate well below its own while the loop waits tunes it again.
+  workers' shares are unknown, it waits UNSEEN_EPOCHS epochs for them), but for drift or
+  doubt (a rate well below its own, or the model asking for more, window after window):
+  it tunes again, and each time it settles back where it was it waits twice as long.
 """
 
 from __future__ import annotations
@@ -32,7 +30,8 @@ from dataclasses import dataclass, field, replace
 
 from dataloader_exporter.core import bands
 from dataloader_exporter.core.tuner_judge import Judge
-from dataloader_exporter.core.tuner_model import Load, ceiling, choose
+from dataloader_exporter.core.tuner_model import ceiling, choose
+from dataloader_exporter.core.tuner_types import Budget, Decision, Epoch, Setting
 
 MAX_TRIALS = 8  # then the tuner is stable, whatever the figures say
 MAX_PREFETCH = 8  # batches per worker: deeper queues only hold memory
@@ -40,6 +39,7 @@ BURSTY = 4.0  # fetch wait p95 over its median at which the wait comes in bursts
 BUSY = 0.5  # workers running at least this share of their time are the bottleneck
 UNSEEN_EPOCHS = 2  # epochs to wait for unknown worker shares before settling
 REPROBE = 3  # settled windows in a row that ask for more workers: try once more
+MAX_BACKOFF = 16  # the most the windows a drift or a doubt needs are multiplied by
 
 
 # Why a setting changed: the loop waited on busy workers; they waited for a CPU; more
@@ -48,60 +48,6 @@ REPROBE = 3  # settled windows in a row that ask for more workers: try once more
 REASONS = ("starved", "cpu-contention", "cores", "memory", "bursty", "reverted")
 REASONS_OF = {"num_workers": ("starved", "cpu-contention", "cores", "memory", "reverted"),
               "prefetch_factor": ("bursty", "reverted")}  # why each setting can change
-
-
-@dataclass(frozen=True)
-class Setting:
-    workers: int
-    prefetch: int  # torch's prefetch_factor; ignored (2) without workers
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What this rank may use: cores for its workers (the advisor's share per local
-    rank, less one for a loop on the CPU), the room left in memory and /dev/shm, the
-    cores as CPU time for the model (its share of the machine's; the loop's own use is
-    measured) and how many more workers than now the process and open-file limits
-    allow (None: unknown)."""
-
-    cores: int
-    memory_room: int | None = None
-    shm_room: int | None = None
-    cpus: float | None = None
-    limit: int | None = None
-
-
-@dataclass(frozen=True)
-class Epoch:
-    """What one epoch under `setting` measured; None where it was not measured."""
-
-    setting: Setting
-    samples_per_s: float
-    stall: float  # share of the loop's time waiting for input
-    running: float | None = None  # shares of the workers' wall time
-    waiting_cpu: float | None = None
-    blocked: float | None = None
-    # Memory one worker takes (PSS, else RSS); with no workers yet, the main process's
-    # resident memory, which bounds what a forked worker can take.
-    worker_bytes: int | None = None
-    batch_bytes: int | None = None
-    burstiness: float | None = None  # fetch wait p95 / median
-    unit: str = "samples"  # what samples_per_s counts: "batches" where samples cannot be
-    load: Load | None = None  # per-batch figures for the model (core/tuner_model.py)
-
-
-@dataclass(frozen=True)
-class Decision:
-    setting: Setting
-    name: str  # "num_workers" or "prefetch_factor"
-    old: int
-    new: int
-    reason: str  # one of REASONS
-    why: str  # the figures, for the log line
-
-    def line(self, loader: str) -> str:
-        """The log line: `dataloader 'train': num_workers 2 -> 4: <why>`."""
-        return f"dataloader {loader!r}: {self.name} {self.old} -> {self.new}: {self.why}"
 
 
 @dataclass
@@ -126,6 +72,9 @@ class Tuner:
     settled_rate: float = 0.0  # the rate it settled at, against which drift is judged
     _doubts: int = 0  # windows running in which a ruled-out direction looked worth it
     _ceiling: int = 0  # the model's last ceiling: a window without its figures keeps it
+    _backoff: int = 1  # multiplies the windows of a drift or doubt (doubled by a vain retune)
+    _left: Setting | None = None  # the setting a retune left, until it settles
+    retuned: str = ""  # why it last tuned again once settled: "drift" or "doubt"
 
     def __post_init__(self) -> None:
         self.current = self.start
@@ -140,9 +89,14 @@ class Tuner:
             self._unit, self.best_rate, self._trying = epoch.unit, 0.0, None
             self._judge = Judge()
         if self.stable:
-            if not self.workers or not (self._judge.drifted(
-                    epoch.samples_per_s, self.settled_rate, epoch.stall >= bands.MODERATE)
-                    or self._doubted(epoch, budget)):
+            if not self.workers:
+                return None
+            if self._judge.drifted(epoch.samples_per_s, self.settled_rate,
+                                   epoch.stall >= bands.MODERATE, self._backoff):
+                self.retuned = "drift"
+            elif self._doubted(epoch, budget):
+                self.retuned = "doubt"
+            else:
                 return None
             self.retune(epoch.samples_per_s)  # the figures drifted: tune again
         self.budget = budget
@@ -192,15 +146,18 @@ class Tuner:
                 and choose(epoch.load, budget.cpus or 1.0, self._cap(epoch))
                 > epoch.setting.workers)
         self._doubts = self._doubts + 1 if grow else 0
-        return self._doubts >= REPROBE
+        return self._doubts >= REPROBE * self._backoff
 
     def _settle(self, rate: float) -> None:
         self.stable = True
         self.settled_rate = rate
+        if self._left is not None:  # a retune that found nothing better: wait longer
+            same = self._left == self.current
+            self._backoff, self._left = min(MAX_BACKOFF, 2 * self._backoff) if same else 1, None
 
     def retune(self, rate: float) -> None:
         """Tunes again from the current setting (its rate now `rate`), all else forgotten."""
-        self.stable = False
+        self.stable, self._left = False, self.current
         self.trials, self._unseen, self._trying, self._doubts = 0, 0, None, 0
         self._exhausted.clear()
         self._judge = Judge()

@@ -30,7 +30,7 @@ import numpy as np
 
 from dataloader_exporter.core.settings import log_name
 from dataloader_exporter.core.tuner_model import Load
-from dataloader_exporter.core.tuner_rules import Epoch, Setting
+from dataloader_exporter.core.tuner_types import Epoch, Setting
 
 from .envsettings import once
 from .hotpath_recorder import LoaderRecorder

@@ -38,7 +38,8 @@ import torch
 import torch.utils.data
 
 from dataloader_exporter.core.settings import ENV_SETTINGS, SettingsError, log_name, parse
-from dataloader_exporter.core.tuner_rules import REASONS_OF, Decision, Setting, Tuner
+from dataloader_exporter.core.tuner_rules import REASONS_OF, Tuner
+from dataloader_exporter.core.tuner_types import Decision, Setting
 
 from . import compat, tuner_window
 from .envsettings import once

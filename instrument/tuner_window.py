@@ -15,7 +15,8 @@ from typing import Any
 
 from dataloader_exporter.core.settings import log_name
 from dataloader_exporter.core.tuner_judge import DRIFT
-from dataloader_exporter.core.tuner_rules import Decision, Setting, Tuner
+from dataloader_exporter.core.tuner_rules import Tuner
+from dataloader_exporter.core.tuner_types import Decision, Setting
 
 from .hotpath_recorder import LoaderRecorder
 from .tuner_budget import budget
@@ -61,6 +62,11 @@ class MidEpoch:
     def _drifted(self) -> None:  # a settled rate drifted well below its own: tune again
         self._said_stable = False
         self.rec.tuner_stable = False
+        if self.tuner.retuned == "doubt":
+            log.warning("dataloader %r: the model asks for more workers than it settled at, "
+                        "window after window, while the loop waits for input: the tuner tries "
+                        "again", log_name(self.name))
+            return
         log.warning("dataloader %r: samples/s fell %.0f%% below the rate it settled at while "
                     "the loop waits for input: the tuner tries again", log_name(self.name),
                     100 * DRIFT)

@@ -305,7 +305,7 @@ DROP_IN_MAY_LOAD = {f"{NS}.{m}" if m else NS for m in (
 LOADED_ON_FIRST_USE = ("prometheus_client", "http", "wsgiref", "socketserver", "asyncio",
                        f"{NS}.exporter", f"{NS}.diagnosis", f"{NS}.dashboards",
                        f"{NS}.instrument.tuner_", f"{NS}.instrument.snapshot_writer",
-                       f"{NS}.instrument.loader_collector", f"{NS}.core.tuner_rules")
+                       f"{NS}.instrument.loader_collector", f"{NS}.core.tuner_")
 
 
 @pytest.mark.torch  # it builds a loader and takes a batch

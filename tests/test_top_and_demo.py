@@ -123,10 +123,11 @@ def test_the_demo_runs_three_configurations_and_the_auto_one_settles() -> None:
     assert advised is not None, out
     assert starved == "num_workers=0" and f"num_workers={advised[1]}" in doctored, out
     assert re.search(r"dataloader 'auto': num_workers 0 -> \d+: a batch takes", err), err
-    settled = re.search(r"dataloader 'auto': the tuner is stable at num_workers=(\d+)", err)
-    assert settled is not None, err
-    assert auto.startswith(f"num_workers={settled[1]}"), out
-    assert int(settled[1]) <= advisor.local_cpu().usable + 1, out
+    # The setting it settled on last (a settled loader is watched, and may tune again).
+    settled = re.findall(r"dataloader 'auto': the tuner is stable at num_workers=(\d+)", err)
+    assert settled, err
+    assert auto.startswith(f"num_workers={settled[-1]}"), out
+    assert int(settled[-1]) <= advisor.local_cpu().usable + 1, out
     assert _row(out, "measured over")[2].endswith("epochs, settled"), out
     assert all(float(r) > 0 for r in _row(out, "samples/s")), out
 

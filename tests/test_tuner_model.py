@@ -15,7 +15,8 @@ import pytest
 from dataloader_exporter.core import tuner_judge
 from dataloader_exporter.core.tuner_judge import Judge
 from dataloader_exporter.core.tuner_model import Load, ceiling, choose, predict
-from dataloader_exporter.core.tuner_rules import Budget, Epoch, Setting, Tuner
+from dataloader_exporter.core.tuner_rules import Tuner
+from dataloader_exporter.core.tuner_types import Budget, Epoch, Setting
 
 GiB = 1 << 30
 BATCH = 32
@@ -219,3 +220,19 @@ def test_the_limits_room_is_for_workers_beyond_those_running() -> None:
     epoch = STORAGE.window(Setting(8, 2), random.Random(0))
     decision = tuner.observe(epoch, budget_for(STORAGE, Setting(8, 2), limit=2))
     assert decision is not None and decision.setting.workers == 10, decision
+
+
+def test_a_retune_that_finds_nothing_better_waits_twice_as_long_each_time() -> None:
+    """A neighbour takes one of the two cores the budget counts: the model keeps asking
+    for 2 workers, which are no faster than none. The tuner tries them again, but each
+    time it settles back at none it waits twice as many windows before the next try."""
+    busy = Pipe(fetch=0.008, cpu=0.008, loop=0.0001, loop_cpu=0.0001, cpus=1.0)
+    rng, tuner, workers = random.Random(0), Tuner(Setting(0, 2)), []
+    for _ in range(150):
+        workers.append(tuner.current.workers)
+        tuner.observe(busy.window(tuner.current, rng), Budget(1, 32 * GiB, 16 * GiB, 2.0))
+    tries = [i for i, (a, b) in enumerate(itertools.pairwise(workers)) if a == 0 < b]
+    gaps = [b - a for a, b in itertools.pairwise(tries)]
+    assert 2 <= len(tries) <= 6 and gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], tries
+    assert workers.count(0) >= 0.85 * len(workers), workers
+    assert tuner.retuned == "doubt"  # the model's ask, not a drift of the rate
