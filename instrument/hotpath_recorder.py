@@ -111,7 +111,6 @@ class LoaderRecorder:
         # (CpuTimedIterator), and how many fetches it covers.
         self.fetch_cpu_ns = 0
         self.fetch_cpu_n = 0
-        self.loop_tid = 0  # the native id of the thread that last called iter() (tuned)
         self.first_total_ns = 0  # the epochs' waits for their first batch, summed
         self.on_flush: Callable[[], None] | None = None
         # Reader side.
@@ -137,6 +136,12 @@ class LoaderRecorder:
         if self.on_flush is not None:
             with contextlib.suppress(Exception):  # advice must never break a scrape
                 self.on_flush()
+
+    @property
+    def loop_tid(self) -> int:
+        """The native id of the thread that last called iter() on a loader of this name
+        (0: none yet)."""
+        return self.workers.loop.tid
 
     def miscount(self) -> None:
         """A batch's count was found wrong (a custom collate_fn, hotpath_workerblock.py)."""

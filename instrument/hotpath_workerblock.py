@@ -14,8 +14,8 @@ At the end of each batch a worker writes into its row of an int64 block: the pro
 CPU time so far, samples collated, the wall time (ns), its pid, its thread's run-queue
 wait (one pread of a schedstat file it keeps open), the first batch's CPU, wait and wall
 time, and two flags that keep sample counts honest (hotpath_batch.py): UNCOUNTED,
-batches whose samples it could not
-count (batch_size=None items that are not recognisably batches), and MISCOUNTED, batches
+batches whose samples it could not count (batch_size=None items that are not
+recognisably batches), and MISCOUNTED, batches
 of a custom collate_fn whose count as the main process reads it (batch_len) differs from
 the samples the collate_fn was given. The main process exports no sample count that one
 of them makes unknown. How long a worker spent fetching samples (wall time, I/O

@@ -136,7 +136,6 @@ class LoaderTuning(MidEpoch):
             with self._lock:
                 seed = None
                 self.undo = None
-                self.rec.loop_tid = threading.get_native_id()
                 mark, self._mark = self._mark, None
                 pending, self.pending = self.pending, None
                 if pending is not None:  # decided in a long epoch that ended first: now

@@ -18,8 +18,8 @@ PROC = "/proc"
 CGROUP = "/sys/fs/cgroup"
 
 
-def own_cgroups(proc_root: Path) -> tuple[str, str]:
-    """This process's cgroup v2 path and v1 memory-controller path ("/" if unknown)."""
+def own_cgroups(proc_root: Path, controller: str = "memory") -> tuple[str, str]:
+    """This process's cgroup v2 path and v1 path for `controller` ("/" if unknown)."""
     v2 = v1 = "/"
     try:
         text = (proc_root / "self" / "cgroup").read_text()
@@ -34,7 +34,7 @@ def own_cgroups(proc_root: Path) -> tuple[str, str]:
             continue  # outside our cgroup namespace: fall back to the mount's root
         if parts[0] == "0" and controllers == "":
             v2 = path
-        elif "memory" in controllers.split(","):
+        elif controller in controllers.split(","):
             v1 = path
     return v2, v1
 
@@ -145,28 +145,12 @@ class OomKills:
         return None if self.source is None else _count(self.source, "oom_kill")
 
 
-def _controller_path(proc_root: Path, controller: str) -> str:
-    """This process's cgroup v1 path for `controller` ("/" if unknown or outside our
-    namespace)."""
-    try:
-        text = (proc_root / "self" / "cgroup").read_text()
-    except OSError:
-        return "/"
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) == 3 and controller in parts[1].split(","):
-            path = parts[2]
-            return path if path.startswith("/") and ".." not in path.split("/") else "/"
-    return "/"
-
-
 def cgroup_pids_room(proc_root: str = PROC, cgroup_root: str = CGROUP) -> int | None:
     """Processes and threads this process's pids cgroup may still start (pids.max less
     pids.current; v2, then v1), the least over its cgroup and the mount's root (a
     container's own); None where none sets a limit or it cannot be read."""
     root, proc = Path(cgroup_root), Path(proc_root)
-    v2, _ = own_cgroups(proc)
-    v1 = _controller_path(proc, "pids")
+    v2, v1 = own_cgroups(proc, "pids")
     rooms = []
     for d in dict.fromkeys((root / v2.lstrip("/"), root, root / "pids" / v1.lstrip("/"),
                             root / "pids")):
