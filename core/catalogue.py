@@ -27,10 +27,8 @@ SELF = "exporter"
 # steps of 2-2.5x where the doctor's and the dashboards' quantiles and the loader tuner's
 # burstiness (p95 over the median, at 4x and above) are read, and le="0.01" the alerts'
 # cases use. A longer wait reads as 10 s: the loader starves either way.
-WAIT_BUCKETS: tuple[float, ...] = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-    0.25, 0.5, 1.0, 2.5, 10.0,
-)
+WAIT_BUCKETS: tuple[float, ...] = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                   0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 # A training step, read only as a p95 on the overview dashboard (the rest reads _sum):
 # decades, 1 ms (tiny models) to 10 s; within a decade the p95 interpolates, the mean exact.
 STEP_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 1.0, 10.0)
@@ -47,6 +45,7 @@ TRANSFER_BUCKETS: tuple[float, ...] = (0.0005, 0.005, 0.05)
 FIRST_BATCH_BUCKETS: tuple[float, ...] = ()
 
 LOADER_LABELS: tuple[str, ...] = ("loader", "rank")
+PROCESS_LABELS: tuple[str, ...] = ("rank",)  # a fact about the training process, not a loader
 WORKER_LABELS: tuple[str, ...] = ("loader", "rank", "worker")
 INFO_LABELS: tuple[str, ...] = (
     "loader", "rank", "num_workers", "batch_size", "prefetch_factor", "pin_memory",
@@ -122,7 +121,7 @@ EXITED = _m(
     "Unix time at which the training process exited normally (its exit handlers ran and "
     "wrote this, its last snapshot); absent while it runs, and after a kill or a crash "
     "that ran no exit handler.",
-    "seconds", LOADER_LABELS, TRAINER)
+    "seconds", PROCESS_LABELS, TRAINER)
 WORKERS_CONFIGURED = _m(
     "dataloader_workers_configured", GAUGE,
     "Worker processes the loader is configured with (num_workers).",
@@ -315,12 +314,13 @@ ALL: tuple[Metric, ...] = tuple(v for v in globals().values() if isinstance(v, M
 BY_NAME: dict[str, Metric] = {m.name: m for m in ALL}
 
 # Older trainers' snapshots (beside a newer sidecar) are still accepted: their retired
-# families, validated and dropped (not in ALL), their metrics' former bucket layouts, and
-# without the trainer families added since.
+# families, validated and dropped (not in ALL), their metrics' former bucket layouts and
+# label sets (the exit time per loader, served once per rank), without the families added.
 RETIRED: tuple[Metric, ...] = (_m(
     "dataloader_worker_heartbeat_timestamp_seconds", GAUGE, "Unix time at which each worker "
     "process last finished a batch.", "seconds", WORKER_LABELS, TRAINER),)
 FORMER_BUCKETS: dict[str, tuple[tuple[float, ...], ...]] = {STEP.name: (STEP_BINS,)}
+FORMER_LABELS: dict[str, tuple[str, ...]] = {EXITED.name: LOADER_LABELS}
 ADDED: tuple[Metric, ...] = (LOOP_CPU,)
 
 

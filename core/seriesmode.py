@@ -5,9 +5,9 @@ that was measured. `job`, for jobs of thousands of ranks, keeps the job-level tr
 (stall, stragglers, failures, workers) in a stated small number of series: the fetch-wait,
 step and first-batch histograms as their +Inf bucket, _count and _sum (means, no
 quantiles), the batch, sample and epoch counters, the last batch's time, the workers
-configured, active and lost, failures by cause, the info gauge and the exit time; no
-transfer, per-worker, /proc or tuner series. The recording rules of dashboards/recording.py
-read nothing else.
+configured, active and lost, failures by cause, the info gauge, and the exit time (the
+process's: one series per rank); no transfer, per-worker, /proc or tuner series. The
+recording rules of dashboards/recording.py read nothing else.
 """
 
 from __future__ import annotations

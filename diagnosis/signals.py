@@ -176,7 +176,7 @@ class LoaderSignals:
     failures: dict[str, float] | None = None  # cause -> total; None: causes not exported
     tuner: TunerSignals | None = None  # None: the loader is not tuned (diagnosis.tuner_report)
     # The run has ended (its files are no longer written: read whole), and when its
-    # process exited normally (None: its last snapshot has no exit, or it is live).
+    # rank's process exited normally (None: its last snapshot has no exit, or it is live).
     ended: bool = False
     exited_at: float | None = None
 
@@ -290,5 +290,6 @@ def _signals(w: Window, loader: str, rank: str) -> LoaderSignals:
     s.failures = read_failures(last, lr)
     s.tuner = read_tuner(last, lr)
     s.ended = w.is_whole_run
-    s.exited_at = _get(last, cat.EXITED.name, **lr)
+    # The process's, by rank (an older sidecar serving an older trainer's: by loader too).
+    s.exited_at = _get(last, cat.EXITED.name, rank=rank) or _get(last, cat.EXITED.name, **lr)
     return s

@@ -115,16 +115,16 @@ class SnapshotRetention:
 
     def _ended_badly(self, path: str) -> bool:
         """Whether a snapshot file is the last of a run that did not end well: a loader
-        without dataloader_exit_timestamp_seconds (the process never exited normally),
-        with a lost worker or a failure. A file that cannot be read or is not valid did
-        not: it goes like any other."""
+        whose rank has no dataloader_exit_timestamp_seconds (the process never exited
+        normally), or with a lost worker or a failure. A file that cannot be read or is
+        not valid did not: it goes like any other."""
         try:
             data, _ = self.read(path, self.max_file_bytes)
             snap = snapshot.load(data, self.max_series)
         except (OSError, Rejected):
             return False
-        for by_family in snap.owners.values():
-            if cat.EXITED.name not in by_family:
+        for (_, rank), by_family in snap.owners.items():
+            if cat.EXITED.name not in snap.ranks.get(rank, {}):
                 return True
             for name in (cat.WORKERS_LOST.name, cat.FAILURES.name):
                 for line in by_family.get(name, "").splitlines():

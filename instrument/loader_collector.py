@@ -81,7 +81,6 @@ def _families(recs: list[LoaderRecorder], job: bool = False) -> Iterator[Family]
         (cat.EPOCHS, lambda r: r.epochs),
         (cat.TRANSFER_BYTES, lambda r: r.transfer_bytes if _transferred(r) else None),
         (cat.LAST_BATCH, LoaderRecorder.last_batch_unix),
-        (cat.EXITED, lambda r: r.exited_at),
         (cat.BATCH_BYTES, lambda r: r.batch_bytes if r.batch_bytes >= 0 else None),
         (cat.LOOP_CPU, lambda r: None if r.workers.loop.cpu_ns is None
          else r.workers.loop.cpu_ns / 1e9),
@@ -96,6 +95,7 @@ def _families(recs: list[LoaderRecorder], job: bool = False) -> Iterator[Family]
             if value is not None:
                 f.add_metric([r.name, r.rank], value)
         yield f
+    yield _exits(recs)
     cpu, samples = family(cat.WORKER_CPU), family(cat.WORKER_SAMPLES)
     for r in () if job else recs:
         for worker, cpu_ns, n, _ in r.workers.per_worker():  # a worker's last batch: unread
@@ -122,6 +122,19 @@ def _families(recs: list[LoaderRecorder], job: bool = False) -> Iterator[Family]
             info.add_metric([r.name, r.rank, *(known.get(k, "") for k in cat.INFO_LABELS[2:])],
                             1)
     yield info
+
+
+def _exits(recs: list[LoaderRecorder]) -> Family:
+    """The exit time: the process's, not a loader's, so one series per rank among the
+    recorders whose exit was recorded (kept in either setting)."""
+    at: dict[str, float] = {}
+    for r in recs:
+        if r.exited_at is not None:
+            at[r.rank] = max(r.exited_at, at.get(r.rank, r.exited_at))
+    f = family(cat.EXITED)
+    for rank, when in sorted(at.items()):
+        f.add_metric([rank], when)
+    return f
 
 
 def activity(recs: Iterable[LoaderRecorder]) -> tuple[object, ...]:

@@ -401,6 +401,85 @@ def test_a_step_histogram_in_neither_its_layout_nor_its_former_one_is_rejected(
         snapshot.load(without(line)(good), DEFAULT_MAX_SERIES)
 
 
+OLDER_EXITED = OLDER.with_name("rank0-t2-4batches-exited.prom")
+EXIT_TYPE = f"# TYPE {cat.EXITED.name} gauge\n".encode()
+
+
+def with_exits(data: bytes, *labels: str, value: float = 1.7e9) -> bytes:
+    """The snapshot with exit time series of these label texts (each `value` more than
+    the last) under their TYPE line."""
+    lines = "".join(f"{cat.EXITED.name}{{{text}}} {value + i!r}\n" for i, text in
+                    enumerate(labels))
+    return data.replace(EXIT_TYPE, EXIT_TYPE + lines.encode())
+
+
+def exit_times(samples: Samples) -> dict[tuple[tuple[str, str], ...], float]:
+    return {labels: v for (name, labels), v in samples.items() if name == cat.EXITED.name}
+
+
+def test_the_exit_time_is_the_processs_one_series_per_rank(tmp_path: Path) -> None:
+    exited = real_snapshot("0", (("t", 2),), exited=True)
+    line = next(x for x in exited.splitlines() if x.startswith(cat.EXITED.name.encode()))
+    assert line.startswith(cat.EXITED.name.encode() + b'{rank="0"} ')
+    loaded = snapshot.load(exited, DEFAULT_MAX_SERIES)
+    assert loaded.series == len(parse(exited.decode()))
+    assert set(loaded.owners) == {("t", "0")}
+    assert loaded.ranks == {"0": {cat.EXITED.name: line.decode() + "\n"}}
+    write(tmp_path / "exited.prom", exited)
+    samples, _ = served(TrainerCollector(str(tmp_path)))
+    assert exit_times(samples) == {(("rank", "0"),): float(line.split()[-1])}
+
+
+def test_an_older_trainers_exit_time_per_loader_is_served_once_per_rank(
+        tmp_path: Path, two_loaders: bytes) -> None:
+    """A real snapshot of a writer that wrote the exit time per loader: accepted, and
+    served as the rank's; with two loaders, once, the latest."""
+    older = OLDER_EXITED.read_bytes()
+    assert cat.EXITED.name.encode() + b'{loader="t",rank="0"} ' in older
+    (when,) = exit_times(parse(older.decode())).values()
+    write(tmp_path / "older.prom", older)
+    samples, _ = served(TrainerCollector(str(tmp_path)))
+    assert exit_times(samples) == {(("rank", "0"),): when}
+    assert {k: v for k, v in samples.items() if ("rank", "0") in k[1]} == {
+        k: v for k, v in parse(older.decode()).items() if k[0] != cat.EXITED.name} | {
+        (cat.EXITED.name, (("rank", "0"),)): when}
+    both = with_exits(two_loaders, 'loader="t",rank="1"', 'loader="v",rank="1"')
+    loaded = snapshot.load(both, DEFAULT_MAX_SERIES)
+    assert loaded.series == len(parse(two_loaders.decode())) + 1
+    write(tmp_path / "older.prom", both)
+    samples, _ = served(TrainerCollector(str(tmp_path)))
+    assert exit_times(samples) == {(("rank", "1"),): 1.7e9 + 1}
+
+
+@pytest.mark.parametrize("labels", [
+    ('rank="7"',),  # a rank none of the file's loaders has
+    ('loader="t",rank="1",worker="0"',),  # neither its label names nor its former ones
+    ("",),
+    ('rank="1"', 'rank="1"'),  # twice
+    ('loader="t",rank="1"', 'loader="t",rank="1"'),
+])
+def test_an_exit_time_other_than_the_writers_is_rejected(two_loaders: bytes,
+                                                          labels: tuple[str, ...]) -> None:
+    assert snapshot.load(with_exits(two_loaders, 'rank="1"'), DEFAULT_MAX_SERIES).ranks
+    data = with_exits(two_loaders, *labels).replace(b"{}", b"")
+    with pytest.raises(Rejected, match=r"rank without a loader|label names") as e:
+        snapshot.load(data, DEFAULT_MAX_SERIES)
+    assert e.value.reason == snapshot.INVALID
+
+
+def test_a_newer_file_of_the_same_rank_drops_an_older_ones_exit_time(
+        tmp_path: Path, good: bytes) -> None:
+    """A restarted trainer: its running file, not its predecessor's exit, is the rank's."""
+    exited = real_snapshot("0", (("t", 2),), exited=True)
+    write(tmp_path / "before.prom", exited, age=5)
+    write(tmp_path / "now.prom", good)
+    samples, _ = served(TrainerCollector(str(tmp_path)))
+    assert not exit_times(samples) and samples[T0] == 4
+    write(tmp_path / "now.prom", good, age=10)  # the exited one is the newer
+    samples, _ = served(TrainerCollector(str(tmp_path)))
+    assert list(exit_times(samples)) == [(("rank", "0"),)]
+
+
 def test_files_over_the_size_bound_are_skipped_and_never_read_whole(
         tmp_path: Path, good: bytes) -> None:
     write(tmp_path / "good.prom", good)

@@ -13,8 +13,9 @@ writes:
   but the retired ones older writers still write (cat.RETIRED), validated as any other
   and dropped: never served, since the catalogue no longer has them; an older writer's
   file may lack the families added since (cat.ADDED);
-- on each sample exactly the catalogue's label names (plus ``le`` on buckets), no
-  series twice, counters finite and >= 0;
+- on each sample exactly the catalogue's label names (plus ``le`` on buckets), or the
+  former ones older writers wrote (cat.FORMER_LABELS: the exit time per loader, served
+  once per rank, its latest), no series twice, counters finite and >= 0;
 - histograms whole: per label set one of the catalogue's bucket layouts in order (for
   dataloader_time_seconds each phase's, cat.PHASE_BUCKETS, and the fetch layout that
   older writers used for both; a layout older writers used, cat.FORMER_BUCKETS), or none
@@ -25,7 +26,8 @@ writes:
   are there for every loader the file names (a histogram only once it holds an
   observation, the transfer counter once to_device ran), the per-worker families name
   the same workers (samples: some of them), and a loader that started an epoch has its
-  dataloader_info.
+  dataloader_info; a process's series (cat.PROCESS_LABELS: the exit time) name a rank
+  that some loader of the file has.
   With every family required, these make a file cut at any line boundary invalid: the
   writer's last family is dataloader_info, and a cut inside it leaves a loader that
   started an epoch without its info.
@@ -59,7 +61,7 @@ INVALID = "invalid"  # well-formed, but not what the snapshot writer writes
 REASONS: tuple[str, ...] = (NOT_REGULAR, UNREADABLE, TOO_LARGE, TOO_MANY_SERIES, MALFORMED,
                             INVALID)
 
-Owner = tuple[str, str]  # (loader, rank)
+Owner = tuple[str, str]  # (loader, rank); a process's series are the rank's alone
 Stamp = tuple[int, int, int]  # (inode, mtime_ns, size): a version of a file
 
 _OPEN_FLAGS = (os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY
@@ -89,12 +91,13 @@ class Rejected(Exception):
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A validated file: its sample lines by (loader, rank), then by catalogue name, as
-    the encoders write them (the same in both formats), joined: encoded once per
-    version of the file, however many scrapes serve it."""
+    """A validated file: its sample lines by (loader, rank), and its process's by rank,
+    then by catalogue name, as the encoders write them (the same in both formats),
+    joined: encoded once per version of the file, however many scrapes serve it."""
 
     series: int
     owners: dict[Owner, dict[str, str]]
+    ranks: dict[str, dict[str, str]]
 
 
 def stamp_of(st: os.stat_result) -> Stamp:
@@ -166,6 +169,7 @@ def validate(families: list[ParsedFamily]) -> Snapshot:
     """The families as a Snapshot if they are exactly what the writer writes."""
     owners: dict[Owner, dict[str, list[Sample]]] = {}
     lines: dict[Owner, dict[str, list[str]]] = {}
+    ranks: dict[str, dict[str, str]] = {}
     series = retired = 0
     for position, fam in enumerate(families, 1):
         shape = _SHAPES.get(fam.name)
@@ -173,6 +177,9 @@ def validate(families: list[ParsedFamily]) -> Snapshot:
             raise _invalid(f"family {position} is not a trainer metric of the catalogue")
         if fam.type != shape.metric.type:
             raise _invalid(f"{shape.metric.name} is not a {shape.metric.type}")
+        if shape.loader < 0:
+            series += _process(shape, fam, ranks)
+            continue
         served = lines
         if fam.name in _RETIRED:
             retired += 1
@@ -189,8 +196,10 @@ def validate(families: list[ParsedFamily]) -> Snapshot:
     if missing and missing != len(_ADDED - {f.name for f in families}):
         raise _invalid(f"{missing} trainer families missing (cut short?)")
     _consistent(owners, beats=retired > 0)
+    if not ranks.keys() <= {rank for _, rank in owners}:
+        raise _invalid("a process's series for a rank without a loader in the file")
     return Snapshot(series, {owner: {name: "".join(chunk) for name, chunk in by_family.items()}
-                             for owner, by_family in lines.items()})
+                             for owner, by_family in lines.items()}, ranks)
 
 
 @dataclass(frozen=True)
@@ -199,7 +208,8 @@ class _Shape:
 
     metric: cat.Metric
     names: tuple[str, ...]  # label names, sorted as parsed labels are
-    loader: int  # where loader and rank are among them
+    former: tuple[str, ...]  # an older writer's (cat.FORMER_LABELS), else names
+    loader: int  # where loader and rank are among them (loader -1: a process's series)
     rank: int
     bounds: tuple[str, ...]  # le values, as instrument/hotpath_recorder.py writes them
     # Every layout allowed, by its first two le values (the second "" for +Inf alone: the
@@ -209,6 +219,7 @@ class _Shape:
     @staticmethod
     def of(metric: cat.Metric) -> _Shape:
         names = tuple(sorted(metric.labels))
+        former = tuple(sorted(cat.FORMER_LABELS.get(metric.name, names)))
         layouts = [(*(repr(float(b)) for b in buckets), "+Inf") for buckets in (
             metric.buckets, *(cat.PHASE_BUCKETS.values() if "phase" in metric.labels else ()),
             *cat.FORMER_BUCKETS.get(metric.name, ()))]
@@ -216,8 +227,8 @@ class _Shape:
                  for bounds in (*layouts, _INF_ONLY)}
         if len(keyed) != len(set((*layouts, _INF_ONLY))):
             raise ValueError(f"{metric.name}: two bucket layouts begin alike")
-        return _Shape(metric, names, names.index("loader"), names.index("rank"), layouts[0],
-                      keyed)
+        loader = names.index("loader") if "loader" in names else -1
+        return _Shape(metric, names, former, loader, names.index("rank"), layouts[0], keyed)
 
 
 _SHAPES = {name: _Shape.of(m) for name, m in (*_TRAINER.items(), *_RETIRED.items())}
@@ -246,6 +257,26 @@ def _simple(shape: _Shape, fam: ParsedFamily, owners: dict[Owner, dict[str, list
             text = lines.setdefault(owner, {}).setdefault(metric.name, [])
         out.append(_new(Sample, (name, labels.mapping, value, None, None, None)))
         text.append(f"{name}{labels.text} {float_text(value)}\n")
+
+
+def _process(shape: _Shape, fam: ParsedFamily, ranks: dict[str, dict[str, str]]) -> int:
+    """A process's gauge, one series per rank, into ranks; an older writer's (one per
+    loader and rank, shape.former) once per rank, its latest. The series served."""
+    metric = shape.metric
+    seen: set[Labels] = set()
+    latest: dict[str, float] = {}
+    for _, labels, value in fam.samples:
+        if labels.names not in (shape.names, shape.former) or labels.pairs in seen:
+            raise _invalid(f"{metric.name}: label names differ from the catalogue, "
+                           "or a series twice")
+        seen.add(labels.pairs)
+        rank = labels.mapping["rank"]
+        latest[rank] = max(value, latest.get(rank, value))
+    for rank, value in latest.items():
+        quoted = rank.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+        ranks.setdefault(rank, {})[metric.name] = (
+            f'{metric.name}{{rank="{quoted}"}} {float_text(value)}\n')
+    return len(latest)
 
 
 def _histogram(shape: _Shape, fam: ParsedFamily, owners: dict[Owner, dict[str, list[Sample]]],

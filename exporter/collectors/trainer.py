@@ -17,7 +17,8 @@ SnapshotRetention (exporter.snapshot_retention), which deletes old files. Of the
   traceback holds the parsed file) nor the bytes.
 
 Per (loader, rank) the newest file wins, so a restarted trainer's old and new files are
-not counted twice, and a rejected file never affects another file's series.
+not counted twice, and a rejected file never affects another file's series; a process's
+series (the exit time, one per rank) are the newest file's that names its rank.
 """
 
 from __future__ import annotations
@@ -145,12 +146,13 @@ class TrainerCollector:
         fresh, stale = self._classify([e for e in entries if e.path not in removed], now)
         merged: dict[str, list[str]] = {m.name: [] for m in _TRAINER}
         claimed: set[Owner] = set()  # (loader, rank) pairs of newer files
+        ranks: set[str] = set()  # and their ranks
         newest = None
         for mtime, name, path, stamp in sorted(fresh, key=lambda f: (f[0], f[1]), reverse=True):
             verdict = self._verdict(name, path, stamp)
             if isinstance(verdict, Snapshot):
                 newest = mtime if newest is None else max(newest, mtime)
-                claimed |= _merge(verdict, merged, claimed)
+                _merge(verdict, merged, claimed, ranks)
         present = self._verdicts.keys() | {f[2] for f in fresh}
         self._bad = {p: r for p, r in self._bad.items() if p in present}
         self._report()
@@ -310,17 +312,20 @@ class TrainerCollector:
                 log.info("snapshot %a is valid again", name)
 
 
-def _merge(snap: Snapshot, merged: dict[str, list[str]],
-           claimed: set[Owner]) -> set[Owner]:
-    """Adds one file's series unless a newer file has its (loader, rank); returns its own."""
-    owners = set()
+def _merge(snap: Snapshot, merged: dict[str, list[str]], claimed: set[Owner],
+           ranks: set[str]) -> None:
+    """Adds one file's series unless a newer file has their (loader, rank), or for its
+    process's series their rank; then claims its own."""
     for owner, by_family in snap.owners.items():
-        if owner in claimed:
-            continue
-        owners.add(owner)
-        for name, chunk in by_family.items():
-            merged[name].append(chunk)
-    return owners
+        if owner not in claimed:
+            for name, chunk in by_family.items():
+                merged[name].append(chunk)
+    for rank, by_family in snap.ranks.items():
+        if rank not in ranks:
+            for name, chunk in by_family.items():
+                merged[name].append(chunk)
+    claimed.update(snap.owners)
+    ranks.update(rank for _, rank in snap.owners)
 
 
 def _family(metric: cat.Metric, chunks: list[str]) -> Family:
