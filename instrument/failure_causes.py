@@ -35,7 +35,7 @@ from typing import Any
 
 from dataloader_exporter.core.bands import SHM_SAFETY, shm_size_advice
 from dataloader_exporter.core.facts.cgroup import OomKills
-from dataloader_exporter.core.facts.shm import ShmSpace
+from dataloader_exporter.core.facts.shm import SHM_PATH, ShmSpace, shm_space
 
 from .preflight import LoaderConfig, shm_needed
 from .rank import human_bytes
@@ -53,6 +53,20 @@ _SHM_WORDS = ("unable to allocate shared memory(shm) for file </torch_",
               "unable to write to file </torch_")
 _CAUGHT = "in DataLoader worker process"  # torch's wrapper of a worker's exception
 SHM_SMALL = 1 << 30  # a /dev/shm under 1 GiB (a container's) is small enough to fill
+
+
+def shm_full(path: str = SHM_PATH) -> bool:
+    """Whether /dev/shm could have been what a SIGBUS hit: small (a container's) or at
+    least half full."""
+    space = shm_space(path)
+    return space is not None and (space.size < SHM_SMALL or space.used * 2 >= space.size)
+
+
+def signal_name(signo: int) -> str:
+    try:
+        return signal.Signals(signo).name
+    except ValueError:
+        return str(signo)
 
 
 Exit = tuple[int | None, int | None]  # (the signal that ended it, or its exit code)

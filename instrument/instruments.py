@@ -220,6 +220,15 @@ class Instruments:
         last = self._last_it() if self._last_it is not None else None
         return last is not None and last is it
 
+    def before_pool(self) -> None:
+        """Before torch's iter() starts new workers: the last epoch's pool, unless
+        persistent, ended on purpose, and the tracker prepared (WorkerTracker.prepare)."""
+        workers = self.rec.workers
+        if self._last_gen and not self.config.persistent_workers:
+            workers.stop(self._last_gen)
+            self._last_gen = 0
+        workers.prepare()
+
     def track(self, it: Any, block: torch.Tensor | None) -> int:
         """Tracks the workers of a new iterator until it is collected; 0 when there are none."""
         if self.tracking(it):

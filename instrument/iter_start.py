@@ -96,6 +96,7 @@ class _Plan:
                 self.collate = TimedCollate(loader.collate_fn, None, True, True,
                                             instruments.rec.miscount)
         elif not self.reused:  # new workers: their one hook (hotpath_workerblock.py)
+            instruments.before_pool()
             self.block = new_block(workers)
             self.collate = TimedCollate(loader.collate_fn, self.block,
                                         loader.batch_sampler is not None, verify)
@@ -169,10 +170,12 @@ def _start(loader: Any, plan: _Plan, torch_iter: Callable[[Any], Any],
     """torch's iter(); tuned: the tuner chose the worker count from what it measured, so
     torch's warning that it exceeds the CPU count (normal for blocked workers) is not
     repeated at each epoch."""
-    with warnings.catch_warnings() if tuned else contextlib.nullcontext():
-        if tuned:
-            warnings.filterwarnings("ignore", message="This DataLoader will create",
-                                    category=UserWarning)
+    if not tuned:
+        return _with_collate(loader, plan.collate, torch_iter) if plan.collate else \
+            torch_iter(loader)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create",
+                                category=UserWarning)
         return _with_collate(loader, plan.collate, torch_iter) if plan.collate else \
             torch_iter(loader)
 

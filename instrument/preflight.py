@@ -140,6 +140,9 @@ class Preflight:
         self._advice = LogOnce(log)  # each piece of advice
         # The tuner sets num_workers from what it measures: no advice on the count here.
         self.tuned_workers = False
+        # The config (and tuned_workers) whose advice on_iter gave: only the epoch's is left.
+        self._checked: LoaderConfig | None = None
+        self._checked_tuned = False
 
     def _warn(self, key: str, msg: str, *args: object) -> None:
         if not self._advice.seen(key):
@@ -147,6 +150,13 @@ class Preflight:
 
     def on_iter(self, cfg: LoaderConfig, epoch: int) -> None:
         """At each iter(): the config line (first time) and config-only advice."""
+        if cfg is self._checked and self.tuned_workers is self._checked_tuned:
+            if epoch >= 2 and cfg.persistent_workers is False and cfg.num_workers:
+                self._warn("not-persistent", "persistent_workers=False restarts %d workers "
+                           "at every epoch, stalling its first batch; set "
+                           "persistent_workers=True", cfg.num_workers)
+            return  # the rest was checked for this config already
+        self._checked, self._checked_tuned = cfg, self.tuned_workers
         if not self._config_line.seen("config") and not log.isEnabledFor(logging.INFO):
             self._config_line.problem("config", "")  # said, at a level nobody logs
         if not self._config_line.seen("config"):
@@ -177,9 +187,7 @@ class Preflight:
                        cfg.num_workers, ranks, "" if ranks == 1 else "s", cpu.describe(),
                        advisor.worker_cap(cpu, ranks, self._cuda()))
         if epoch >= 2 and cfg.num_workers and cfg.persistent_workers is False:
-            self._warn("not-persistent", "persistent_workers=False restarts %d workers at "
-                       "every epoch, stalling its first batch; set persistent_workers=True",
-                       cfg.num_workers)
+            self.on_iter(cfg, epoch)  # the not-persistent advice
 
     def on_cuda_transfer(self, cfg: LoaderConfig) -> None:
         if cfg.pin_memory is False:

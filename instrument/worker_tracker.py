@@ -28,32 +28,24 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from dataloader_exporter.core.catalogue import FAILURE_CAUSES
 from dataloader_exporter.core.facts.cgroup import cgroup_memory_available
 from dataloader_exporter.core.facts.memory import host_memory
-from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
 
 from .failure_causes import (
     CRASH,
-    SHM_SMALL,
     Exit,
     cause_of_exit,
     exit_of,
     is_torch_worker_error,
     oom_watch,
+    shm_full,
+    signal_name,
 )
 from .hotpath_workerblock import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED, own_figures
 from .procstat import Figures, Liveness, LoopAccount, ProcAccount
-
-
-def _shm_full(path: str = SHM_PATH) -> bool:
-    """Whether /dev/shm could have been what a SIGBUS hit: small (a container's) or at
-    least half full."""
-    space = shm_space(path)
-    return space is not None and (space.size < SHM_SMALL or space.used * 2 >= space.size)
 
 
 def process_memory_available() -> int | None:
@@ -66,50 +58,41 @@ def process_memory_available() -> int | None:
         return None
 
 
-def _signal_name(signo: int) -> str:
-    try:
-        return signal.Signals(signo).name
-    except ValueError:
-        return str(signo)
-
-
 class _Totals:
     """Per-worker-index totals of folded generations: CPU and samples summed, the latest
-    heartbeat, and the UNCOUNTED and MISCOUNTED flags summed (hotpath_workerblock.py)."""
+    heartbeat, and the UNCOUNTED and MISCOUNTED flags summed (hotpath_workerblock.py).
+    Plain lists: a few workers' rows, folded at each short-lived pool's end."""
 
     __slots__ = ("beat", "cpu", "miscounted", "samples", "uncounted")
 
-    def __init__(self, width: int = 0) -> None:
-        self.cpu = np.zeros(width, dtype=np.int64)
-        self.samples = np.zeros(width, dtype=np.int64)
-        self.beat = np.zeros(width, dtype=np.int64)
-        self.uncounted = np.zeros(width, dtype=np.int64)
-        self.miscounted = np.zeros(width, dtype=np.int64)
+    def __init__(self) -> None:
+        self.cpu: list[int] = []
+        self.samples: list[int] = []
+        self.beat: list[int] = []
+        self.uncounted: list[int] = []
+        self.miscounted: list[int] = []
 
     @property
     def width(self) -> int:
-        return int(self.cpu.shape[0])
-
-    def grow(self, width: int) -> None:
-        if width > self.width:
-            extra = np.zeros(width - self.width, dtype=np.int64)
-            for name in self.__slots__:
-                setattr(self, name, np.concatenate([getattr(self, name), extra]))
+        return len(self.cpu)
 
     def add(self, block: torch.Tensor) -> None:
-        arr = block.numpy()
-        n = arr.shape[0]
-        self.grow(n)
-        self.cpu[:n] += arr[:, CPU]
-        self.samples[:n] += arr[:, SAMPLES]
-        self.uncounted[:n] += arr[:, UNCOUNTED]
-        self.miscounted[:n] += arr[:, MISCOUNTED]
-        np.maximum(self.beat[:n], arr[:, HEARTBEAT], out=self.beat[:n])
+        rows = block.tolist()
+        extra = len(rows) - len(self.cpu)
+        if extra > 0:
+            for name in self.__slots__:
+                getattr(self, name).extend([0] * extra)
+        for i, row in enumerate(rows):
+            self.cpu[i] += row[CPU]
+            self.samples[i] += row[SAMPLES]
+            self.uncounted[i] += row[UNCOUNTED]
+            self.miscounted[i] += row[MISCOUNTED]
+            self.beat[i] = max(self.beat[i], row[HEARTBEAT])
 
     def copy(self) -> _Totals:
         out = _Totals()
         for name in self.__slots__:
-            setattr(out, name, getattr(self, name).copy())
+            setattr(out, name, list(getattr(self, name)))
         return out
 
 
@@ -154,8 +137,17 @@ class WorkerTracker:
         self._unreported: list[tuple[str, int | None, str]] = []
         self._seen: dict[int, tuple[float, int] | None] = {}  # pid -> last alive reading
         self._batches_seen = 0  # the loader's batches at the last /proc reading
+        self._prepared: tuple[tuple[float, int] | None] | None = None  # see prepare()
 
     # --- fed by the loader ------------------------------------------------------------
+    def prepare(self) -> None:
+        """Before a new pool is forked: the generations gone folded and the OOM count
+        read, so that start() has little to do while the new workers share the process's
+        memory (each page written then is copied)."""
+        with self._lock:
+            self._fold_collected()
+            self._prepared = (oom_watch().read(),)
+
     def start(self, iterator: Any, block: torch.Tensor | None, pids: list[int]) -> int:
         """Watches a new (weak-referenceable) iterator's workers until it is collected."""
         with self._lock:
@@ -164,7 +156,9 @@ class WorkerTracker:
             key = self._ids
             self._live[key] = _Generation(block, [p for p in pids if p])
             self._next = 0.0
-            reading = oom_watch().read()  # the count before these workers can be killed
+            # The count before these workers can be killed (read by prepare() if it ran).
+            reading = self._prepared[0] if self._prepared else oom_watch().read()
+            self._prepared = None
             for pid in self._live[key].pids:
                 self._seen[pid] = reading
         weakref.finalize(iterator, self._collected.append, key)  # no lock: see the docstring
@@ -275,12 +269,12 @@ class WorkerTracker:
         torch says it exited unexpectedly, whatever its exit code."""
         signo, code = how
         oom = oom_watch().claim(self._seen.get(pid)) if signo == signal.SIGKILL else False
-        cause = cause_of_exit(signo, code, oom, signo == signal.SIGBUS and _shm_full())
+        cause = cause_of_exit(signo, code, oom, signo == signal.SIGBUS and shm_full())
         if cause is None and unexpected:
             cause = CRASH
         if cause is None:
             return  # a SIGKILL the OOM-kill count cannot tell about: no cause claimed
-        seen = f"exit code {code}" if signo is None else f"signal {_signal_name(signo)}"
+        seen = f"exit code {code}" if signo is None else f"signal {signal_name(signo)}"
         if oom:
             seen += "; the kernel's OOM-kill count rose"
         self.failures[cause] += 1
@@ -345,6 +339,6 @@ class WorkerTracker:
         """Whether a worker found the main process's sample count of a batch wrong."""
         with self._lock:
             self._fold_collected()
-            return bool(self._totals.miscounted.any()) or any(
+            return any(self._totals.miscounted) or any(
                 bool(g.block[:, MISCOUNTED].any()) for g in self._live.values()
                 if g.block is not None)

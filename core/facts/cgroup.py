@@ -12,6 +12,7 @@ injected so tests can use fixtures.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 PROC = "/proc"
@@ -141,8 +142,25 @@ class OomKills:
             self.source = None  # no count anywhere: an OOM kill cannot be told apart
 
     def count(self) -> int | None:
-        """The count now; None when the kernel does not say."""
-        return None if self.source is None else _count(self.source, "oom_kill")
+        """The count now; None when the kernel does not say. Read at every worker pool's
+        start, so with os calls and bytes, not pathlib and text."""
+        if self.source is None:
+            return None
+        try:
+            fd = os.open(self.source, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = os.read(fd, 1 << 16)
+            finally:
+                os.close(fd)
+        except OSError:
+            return None
+        for line in data.split(b"\n"):
+            if line.startswith(b"oom_kill "):
+                try:
+                    return int(line[9:])
+                except ValueError:
+                    return None
+        return None
 
 
 def cgroup_pids_room(proc_root: str = PROC, cgroup_root: str = CGROUP) -> int | None:
