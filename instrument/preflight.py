@@ -6,12 +6,11 @@ must not turn advice into a crash).
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from dataloader_exporter.core import advisor
 from dataloader_exporter.core.bands import SHM_SAFETY, shm_in_flight, shm_size_advice
@@ -121,6 +120,25 @@ def _cuda_available() -> bool:
         return False
 
 
+T = TypeVar("T")
+
+
+class _Once(Generic[T]):
+    """A function of no arguments called at its first use only; its result kept (what
+    functools.cache gives, at a fraction of its cost to make: one per loader built)."""
+
+    __slots__ = ("fn", "value")
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self.fn: Callable[[], T] | None = fn
+        self.value: T | None = None
+
+    def __call__(self) -> T:
+        if self.fn is not None:
+            self.value, self.fn = self.fn(), None
+        return self.value  # type: ignore[return-value]  # set above
+
+
 class Preflight:
     """Logs a loader's configuration once and each piece of advice at most once."""
 
@@ -133,9 +151,9 @@ class Preflight:
         self.shm_path = shm_path
         self._shm_probe = shm_probe
         # psutil and cgroup files are read once per loader: cores do not change mid-run.
-        self._cpu = functools.cache(cpu)
-        self._local_ranks = functools.cache(local_ranks)
-        self._cuda = functools.cache(cuda)
+        self._cpu = _Once(cpu)
+        self._local_ranks = _Once(local_ranks)
+        self._cuda = _Once(cuda)
         self._config_line = LogOnce(log, logging.INFO)  # the configuration line
         self._advice = LogOnce(log)  # each piece of advice
         # The tuner sets num_workers from what it measures: no advice on the count here.

@@ -69,6 +69,7 @@ log = logging.getLogger("dataloader_exporter.instrument")
 _TorchDataLoader = torch.utils.data.DataLoader
 _INIT, _ITER, _STATE = "__init__", "__iter__", "state_dict"
 _lock = threading.Lock()
+_installed = False  # install() has hooked torch's class and its subclasses once
 
 __all__ = ["TORCH_INIT", "TORCH_ITER", "adopt", "apply_settings", "holder_iter", "install",
            "role_from_stack"]
@@ -77,7 +78,14 @@ __all__ = ["TORCH_INIT", "TORCH_ITER", "adopt", "apply_settings", "holder_iter",
 # --- the hooks ------------------------------------------------------------------------
 def install(auto: bool = False) -> None:
     """Hooks torch's DataLoader and its subclasses: __iter__ (adopted loaders and their
-    copies) and, with auto, __init__ too (every loader: zero-code mode). Idempotent."""
+    copies) and, with auto, __init__ too (every loader: zero-code mode). Idempotent: once
+    installed, with torch's hooks still in place, a call does nothing more (subclasses
+    defined since are hooked as they are defined, by __init_subclass__)."""
+    global _installed
+    own = vars(_TorchDataLoader)
+    if _installed and not auto and own["__iter__"] is _hooked_iter and (
+            own["__init__"] is _hooked_init):
+        return
     with _lock:
         if auto:
             Mode.auto = True
@@ -89,6 +97,7 @@ def install(auto: bool = False) -> None:
             _TorchDataLoader.__init_subclass__ = classmethod(_on_subclass)  # type: ignore[assignment]
         for cls in _subclasses(_TorchDataLoader):
             _hook_class(cls)
+        _installed = True
         if auto:
             report_at_exit()
 
