@@ -14,6 +14,8 @@ COPY diagnosis ./diagnosis
 COPY instrument ./instrument
 COPY dashboards ./dashboards
 # The base install only: prometheus_client, nvidia-ml-py, psutil, PyYAML, bcrypt (no torch).
+# No setup.py: the sidecar never runs the loader's per-batch path, so it has no C
+# extension to build (docker/trainer.Dockerfile builds it).
 RUN /opt/venv/bin/pip install .
 
 FROM python:3.11-slim

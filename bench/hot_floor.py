@@ -10,10 +10,12 @@ the same torch iterator wrapped four ways:
                 frame any wrapper adds (a hook on torch's own __next__ would add it too)
   floor         that wrapper plus what timing a batch cannot do without: two
                 perf_counter_ns calls and one append of the pair to a deque
-  instrumented  instrument.DataLoader's iterator (no snapshot writes: the loop alone)
+  instrumented  instrument.DataLoader's iterator (no snapshot writes: the loop alone), its
+                per-batch path in C (instrument/_hotpath.c); with
+                DATALOADER_EXPORTER_PURE_PYTHON=1 set, the same in Python
 
-µs per batch, medians of rounds; added µs paired within a round. On a machine where the
-floor is already near 1.05x of bare, the instrumented loop cannot be far below it in Python.
+µs per batch, medians of rounds; added µs paired within a round. A per-batch path written
+in Python cannot cost less than the floor; in C it has no Python frame of its own.
 
     python bench/hot_floor.py [--quick] [--rounds N]
 """
@@ -38,6 +40,7 @@ from prometheus_client import CollectorRegistry
 from torch.utils.data import DataLoader, TensorDataset
 
 from dataloader_exporter import instrument
+from dataloader_exporter.instrument import hotpath_base
 
 BATCHES = 2000  # per round and variant
 
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             out[k].append(loop(its[k]))
     bare = out["bare"]
     print(f"torch {torch.__version__}, {args.rounds} rounds of {BATCHES} batches, "
-          f"batch_size=1, empty loop body: µs per batch (medians), added µs paired by round")
+          f"batch_size=1, empty loop body: µs per batch (medians), added µs paired by round; "
+          f"the per-batch path in {'C' if hotpath_base.NATIVE else 'Python'}")
     for k in names:
         added = statistics.median(a - b for a, b in zip(out[k], bare, strict=True))
         ratio = statistics.median(a / b for a, b in zip(out[k], bare, strict=True))

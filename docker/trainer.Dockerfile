@@ -5,11 +5,15 @@ ARG TORCH_VERSION=2.13.0
 # The CPU wheel index keeps the image small; point it at a CUDA index for GPU images.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+# gcc builds the per-batch path's C extension (instrument/_hotpath.c); the final stage
+# takes only the venv.
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
     && /opt/venv/bin/pip install numpy
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY dataloader_exporter ./dataloader_exporter
 COPY core ./core
 COPY exporter ./exporter

@@ -1,12 +1,12 @@
 """The per-batch code of an instrumented loader: the iterator the training loop takes.
 
 TimedIterator times each next() of torch's iterator (or of a loader held from outside)
-with one perf_counter_ns pair and records the result as plain integers on the loader's
-recorder (hotpath_recorder.py): two deque appends and a few integer updates a batch, no
-lock, file or GPU synchronisation; a full batch of a loader whose batches hold a fixed
-size is counted without walking it (TimedIterator._arm). Everything that happens less
-often (the first batch, the end of an epoch, an error, the tuner's readings) goes to the
-loader's Instruments.
+with two clock readings and records the result as integers on the loader's recorder
+(hotpath_recorder.py): two ring appends and a few integer updates a batch, in C where
+built (hotpath_base.Timed), no lock, file or GPU synchronisation; a full batch of a
+loader whose batches hold a fixed size is counted without walking it (TimedIterator._arm).
+Everything that happens less often (the first batch, the end of an epoch, an error, the
+tuner's readings) goes to the loader's Instruments.
 How the iterator is built, at iter(): iter_start.py.
 """
 
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from time import perf_counter_ns, thread_time_ns
+from time import thread_time_ns
 from typing import Any
 
+from .hotpath_base import Timed
 from .hotpath_batch import batch_nbytes, loader_len
 from .instruments import Instruments, reraise_torch_worker_error
 
@@ -30,32 +31,22 @@ log = logging.getLogger("dataloader_exporter.instrument")
 BYTES_EVERY = 256  # batches between two samples of a batch's bytes (each a walk, ~1 µs)
 
 
-class _Hot:
-    """What TimedIterator.__next__ reads for every batch, on an object of its own:
-    TimedIterator delegates attributes (__getattr__), which makes CPython look every
-    attribute of its own up the slow way, about 50 ns each; this is looked up once a batch."""
+class TimedIterator(Timed):
+    """Times each next() of the iterator it holds; everything else passes through. The
+    per-batch part is Timed's (hotpath_base.py); this class is what happens less often."""
 
-    __slots__ = ("it", "last", "mark", "rec", "size")
-
-    def __init__(self, it: Any, rec: Any) -> None:
-        self.it = it
-        self.rec = rec
-        self.last = 0  # perf_counter_ns of the iterator's last batch (0: none yet)
-        # Full batches counted without a walk (TimedIterator._arm): while rec.batches <
-        # mark, a batch holds `size` samples and nothing else is due; 0: every batch walks.
-        self.mark = 0
-        self.size = 0
-
-
-class TimedIterator:
-    """Times each next() of the iterator it holds; everything else passes through."""
-
-    __slots__ = ("__weakref__", "_count", "_done", "_end", "_gen", "_h", "_owner", "_probe",
+    __slots__ = ("__weakref__", "_count", "_done", "_end", "_gen", "_owner", "_probe",
                  "_resume", "_retry", "_sized", "_start")
 
     def __init__(self, it: Any, owner: Instruments, start_ns: int, gen: int = 0,
                  count: Counter = loader_len, sized: FullBatches | None = None) -> None:
-        self._h = _Hot(it, owner.rec)
+        self._it = it  # the iterator timed (torch's, a held loader's, or the tuner's)
+        self._rec = owner.rec
+        self._last = 0  # perf_counter_ns of its last batch (0: none yet)
+        # Full batches counted without a walk (_arm): while rec.batches < _mark, a batch
+        # holds _size samples and nothing else is due; 0: every batch walks.
+        self._mark = 0
+        self._size = 0
         self._count = count
         self._sized = sized  # (size, sampler) until armed or found not to hold (_arm)
         self._end = 0
@@ -70,60 +61,36 @@ class TimedIterator:
         # The tuner's mid-epoch change of a loader that resumes from its state_dict().
         self._resume: Callable[[], tuple[Any, int, Counter] | None] | None = None
 
-    @property
-    def _it(self) -> Any:
-        """The iterator timed (torch's, a held loader's, or the tuner's replacement)."""
-        return self._h.it
+    def _exhausted(self) -> None:
+        self._finish(True)
 
-    @_it.setter
-    def _it(self, it: Any) -> None:
-        self._h.it = it
+    def _raised(self, e: Exception) -> Any:
+        """next() raised e: the epoch goes on without the tuner's failed pool (its batch
+        returned), or e goes on to the loop."""
+        self._mark = 0  # a batch lost to an error: the full batches' count is off
+        self._sized = None
+        retry, self._retry = self._retry, None
+        again = retry(e) if retry is not None and not self._last else None
+        if again is not None:  # the tuner's pool failed: the epoch without it
+            self._it, self._count = again
+            self._gen = 0
+            self._probe = 0
+            return self.__next__()
+        self._finish(False, e)  # not the end: a loop may skip a bad batch and go on
+        raise e
 
-    def __iter__(self) -> TimedIterator:
-        return self
-
-    def __next__(self) -> Any:
-        h = self._h  # the one attribute of self read for a full batch (see _Hot)
-        t0 = perf_counter_ns()
-        try:
-            batch = next(h.it)
-        except StopIteration:
-            self._finish(True)
-            raise
-        except Exception as e:
-            h.mark = 0  # a batch lost to an error: the full batches' count is off
-            self._sized = None
-            retry, self._retry = self._retry, None
-            again = retry(e) if retry is not None and not h.last else None
-            if again is not None:  # the tuner's pool failed: the epoch without it
-                h.it, self._count = again
-                self._gen = 0
-                self._probe = 0
-                return self.__next__()
-            self._finish(False, e)  # not the end: a loop may skip a bad batch and go on
-            raise
-        t1 = perf_counter_ns()
-        rec = h.rec
-        rec.fetch.append(t1 - t0)
-        last = h.last
-        if last:
-            rec.step.append(t0 - last)
-            h.last = rec.last_batch_ns = t1
-            b = rec.batches = rec.batches + 1
-            if b < h.mark:  # a full batch, with no probe and no bytes due (_arm)
-                rec.samples += h.size
-                return batch
-        else:
-            self._retry = None
-            self._owner.first_batch(batch, t1 - self._start)
-            h.last = rec.last_batch_ns = t1
-            b = rec.batches = rec.batches + 1
+    def _first(self, batch: Any, t1: int) -> Any:
+        self._retry = None
+        self._owner.first_batch(batch, t1 - self._start)
+        rec = self._rec
+        self._last = rec.last_batch_ns = t1
+        b = rec.batches = rec.batches + 1
         return self._walk(batch, b)
 
     def _walk(self, batch: Any, b: int) -> Any:
         """The batch's samples counted by its walk, its bytes sampled every BYTES_EVERY
         batches, the tuner's probe and mid-epoch change when due (rec.batches now b)."""
-        rec = self._h.rec
+        rec = self._rec
         if b == self._probe:
             self._probe = self._owner.probed(self._probe)
             if self._resume is not None:
@@ -161,12 +128,12 @@ class TimedIterator:
                 self._sized = None
                 return
             end = self._end = b + full - 1
-            self._h.size = size
+            self._size = size
         if b >= end:
-            self._h.mark = 0
+            self._mark = 0
             self._sized = None
             return
-        self._h.mark = min(end + 1, (b // BYTES_EVERY + 1) * BYTES_EVERY)
+        self._mark = min(end + 1, (b // BYTES_EVERY + 1) * BYTES_EVERY)
 
     def _resumed(self, resume: Callable[[], tuple[Any, int, Counter] | None]) -> None:
         """The tuner's pending mid-epoch change, if any: the iterator from here on."""
@@ -179,7 +146,7 @@ class TimedIterator:
             self._resume = None
             return
         if got is not None:
-            self._h.it, self._gen, self._count = got
+            self._it, self._gen, self._count = got
             self._probe = self._owner.probe_at(self._it) if self._owner.tuning_now else 0
 
     def _finish(self, clean: bool, exc: BaseException | None = None) -> None:
@@ -199,9 +166,12 @@ class TimedIterator:
         return len(self._it)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in TimedIterator.__slots__:
+        if name.startswith("__") or name in _OWN:
             raise AttributeError(name)
         return getattr(self._it, name)
+
+
+_OWN = frozenset(TimedIterator.__slots__) | {"_it", "_rec", "_last", "_mark", "_size"}
 
 
 class CpuTimedIterator(TimedIterator):
@@ -215,7 +185,7 @@ class CpuTimedIterator(TimedIterator):
         try:
             return TimedIterator.__next__(self)
         finally:
-            rec = self._h.rec
+            rec = self._rec
             rec.fetch_cpu_ns += thread_time_ns() - c0
             rec.fetch_cpu_n += 1
 
@@ -228,7 +198,7 @@ class QuietIterator(TimedIterator):
 
     def __next__(self) -> Any:
         try:
-            return next(self._h.it)
+            return next(self._it)
         except StopIteration:
             self._finish(True)
             raise

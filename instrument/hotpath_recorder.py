@@ -1,9 +1,10 @@
 """What the per-batch code records for one (loader, rank), and how it is read.
 
-The training loop only appends integer nanoseconds to bounded deques and bumps plain ints.
-Whoever reads the metrics (the snapshot thread, a scrape) drains the deques under a lock
-and bins them into cumulative histograms with numpy (LoaderRecorder.flush), so no lock,
-file or GPU synchronisation sits on the per-batch path. The metric families built from
+The training loop only appends integer nanoseconds to bounded rings and bumps integers
+(hotpath_base.py, in C where built). Whoever reads the metrics (the snapshot thread, a
+scrape) takes the rings' contents under a lock and bins them into cumulative histograms
+with numpy (LoaderRecorder.flush), so no lock, file or GPU synchronisation sits on the
+per-batch path. The metric families built from
 recorders: loader_collector.py.
 """
 
@@ -14,19 +15,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from itertools import repeat, starmap
 from typing import Any
 
 import numpy as np
 
 from dataloader_exporter.core import catalogue as cat
 
+from .hotpath_base import Counts, Ring, drain
 from .worker_tracker import WorkerTracker
 
 # Durations kept per queue between two reads (snapshot writes or scrapes, normally every
 # second): 131072 batches of a few microseconds each, about 1 MB per queue at most.
 MAX_UNREAD = 1 << 17
-DRAIN_SLICE = 8192  # durations drained in one call from C: about 0.3 ms of a reader's time
 
 
 class DurationHistogram:
@@ -59,34 +59,19 @@ def _le(bound: float) -> str:
     return repr(float(bound))
 
 
-def _drain(q: deque[int]) -> np.ndarray:
-    """The values in q, taken out of it while the loop's thread may append: the first
-    len(q), one popleft at a time called from C, some 40% faster than a list of poplefts.
-    In slices of DRAIN_SLICE, between which a loop waiting for the interpreter lock gets it
-    (after its switch interval), as it did between the poplefts of a list."""
-    n = len(q)
-    parts = [np.empty(0, np.int64)]
-    while n > 0:
-        k = min(n, DRAIN_SLICE)
-        parts.append(np.fromiter(starmap(q.popleft, repeat((), k)), np.int64, k))
-        n -= k
-    return parts[-1] if len(parts) <= 2 else np.concatenate(parts, dtype=np.int64)
-
-
-class LoaderRecorder:
-    """Everything measured for one (loader, rank); shared by loaders of one name."""
+class LoaderRecorder(Counts):
+    """Everything measured for one (loader, rank); shared by loaders of one name. The
+    loop's counts and its fetch and step rings are Counts' (hotpath_base.py): batches,
+    samples, last_batch_ns (perf_counter_ns of the last batch handed out), fetch, step."""
 
     def __init__(self, name: str, rank: str) -> None:
         self.name = name
         self.rank = rank
-        # Hot path (main thread appends; readers popleft under self.lock). Bounded, so a
+        # Hot path (the loop appends; readers take all under self.lock). Bounded, so a
         # registry nobody reads keeps only the newest observations instead of growing.
-        self.fetch: deque[int] = deque(maxlen=MAX_UNREAD)
-        self.step: deque[int] = deque(maxlen=MAX_UNREAD)
-        self.transfer: deque[int] = deque(maxlen=MAX_UNREAD)
-        self.first: deque[int] = deque(maxlen=MAX_UNREAD)
-        self.batches = 0
-        self.samples = 0
+        self._rings(MAX_UNREAD)
+        self.transfer = Ring(MAX_UNREAD)
+        self.first = Ring(MAX_UNREAD)
         # False once a batch's samples could not be counted (hotpath_batch.py,
         # hotpath_workerblock.py): the total is then unknown and not exported, for the
         # rest of the process.
@@ -95,7 +80,6 @@ class LoaderRecorder:
         self.iters = 0  # iter()s of the loaders of this name (the tuner's check)
         self.batch_bytes = -1
         self.transfer_bytes = 0
-        self.last_batch_ns = 0  # perf_counter_ns of the last batch handed out
         # CUDA transfers: (start_event, end_event) pairs read once complete.
         self.pending_events: deque[tuple[Any, Any]] = deque()
         self.config: dict[str, str] = {}
@@ -124,10 +108,10 @@ class LoaderRecorder:
         """Moves raw measurements into histograms and refreshes worker liveness (force:
         the workers read now, past their interval: the tuner's readings)."""
         with self.lock:
-            self.fetch_h.add_ns(_drain(self.fetch))
-            self.step_h.add_ns(_drain(self.step))
-            self.first_h.add_ns(_drain(self.first))
-            self.transfer_h.add_ns(_drain(self.transfer))
+            self.fetch_h.add_ns(drain(self.fetch))
+            self.step_h.add_ns(drain(self.step))
+            self.first_h.add_ns(drain(self.first))
+            self.transfer_h.add_ns(drain(self.transfer))
             self.transfer_h.add_ns(self._completed_events())
         if self.samples_known and self.workers.miscounted():
             self.samples_known = False

@@ -1,0 +1,439 @@
+/* The per-batch path of an instrumented loader in C: what hotpath_py.py does in Python.
+
+   Ring      a bounded queue of int64 nanoseconds: the loop appends, a reader takes all
+             (bytes, in order). Full, it drops its oldest value, as a deque with maxlen.
+   Counts    the base of hotpath_recorder.LoaderRecorder: batches, samples, last_batch_ns
+             and the fetch and step rings the loop writes.
+   Timed     the base of hotpath_iterator.TimedIterator: __next__ times each next() of the
+             iterator it holds with two CLOCK_MONOTONIC readings (perf_counter_ns's clock)
+             and records a full batch without a call into Python. Everything else (the
+             first batch, a batch to walk, the end, an error) is a call of the Python
+             subclass's _first, _walk, _exhausted or _raised.
+
+   Every call here holds the interpreter lock and none releases it: a reader's take()
+   and the loop's append never interleave. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* ---------------------------------------------------------------- Ring */
+
+typedef struct {
+    PyObject_HEAD
+    int64_t *buf;
+    Py_ssize_t cap;   /* a power of two, or 0 */
+    Py_ssize_t head;  /* the oldest value's index */
+    Py_ssize_t len;
+    Py_ssize_t maxlen;
+} Ring;
+
+static PyTypeObject RingType;
+
+/* Appends v; at maxlen the oldest value goes. A failed allocation drops v: the loop
+   must never fail for a measurement. */
+static inline void ring_push(Ring *r, int64_t v) {
+    if (r->len == r->cap) {
+        if (r->cap >= r->maxlen) {
+            if (r->cap == 0) return;
+            r->buf[r->head] = v;
+            r->head = (r->head + 1) & (r->cap - 1);
+            return;
+        }
+        Py_ssize_t cap = r->cap ? r->cap * 2 : 1024;
+        if (cap > r->maxlen) cap = r->maxlen;
+        int64_t *buf = PyMem_RawMalloc((size_t)cap * sizeof(int64_t));
+        if (buf == NULL) return;
+        Py_ssize_t first = r->cap - r->head < r->len ? r->cap - r->head : r->len;
+        if (r->len) {
+            memcpy(buf, r->buf + r->head, (size_t)first * sizeof(int64_t));
+            memcpy(buf + first, r->buf, (size_t)(r->len - first) * sizeof(int64_t));
+        }
+        PyMem_RawFree(r->buf);
+        r->buf = buf;
+        r->cap = cap;
+        r->head = 0;
+    }
+    r->buf[(r->head + r->len) & (r->cap - 1)] = v;
+    r->len++;
+}
+
+static PyObject *Ring_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"maxlen", NULL};
+    Py_ssize_t maxlen = 1 << 17;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|n", kwlist, &maxlen)) return NULL;
+    if (maxlen < 1) {
+        PyErr_SetString(PyExc_ValueError, "maxlen must be at least 1");
+        return NULL;
+    }
+    Py_ssize_t p = 1;
+    while (p < maxlen) p <<= 1;  /* a power of two, for the index mask */
+    Ring *r = (Ring *)type->tp_alloc(type, 0);
+    if (r == NULL) return NULL;
+    r->maxlen = p;
+    return (PyObject *)r;
+}
+
+static void Ring_dealloc(Ring *r) {
+    PyMem_RawFree(r->buf);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyObject *Ring_append(Ring *r, PyObject *arg) {
+    long long v = PyLong_AsLongLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    ring_push(r, (int64_t)v);
+    Py_RETURN_NONE;
+}
+
+/* All values, oldest first, as native int64 bytes; the ring is left empty. */
+static PyObject *Ring_take(Ring *r, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyBytes_FromStringAndSize(NULL, r->len * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL) return NULL;
+    char *dst = PyBytes_AS_STRING(out);
+    if (r->len) {
+        Py_ssize_t first = r->cap - r->head < r->len ? r->cap - r->head : r->len;
+        memcpy(dst, r->buf + r->head, (size_t)first * sizeof(int64_t));
+        memcpy(dst + first * sizeof(int64_t), r->buf,
+               (size_t)(r->len - first) * sizeof(int64_t));
+    }
+    r->head = 0;
+    r->len = 0;
+    return out;
+}
+
+static Py_ssize_t Ring_length(Ring *r) { return r->len; }
+
+static PyObject *Ring_get_maxlen(Ring *r, void *Py_UNUSED(closure)) {
+    return PyLong_FromSsize_t(r->maxlen);
+}
+
+static PyMethodDef Ring_methods[] = {
+    {"append", (PyCFunction)Ring_append, METH_O, "Appends an int (nanoseconds)."},
+    {"take", (PyCFunction)Ring_take, METH_NOARGS,
+     "All values, oldest first, as native int64 bytes; the ring is left empty."},
+    {NULL},
+};
+
+static PyGetSetDef Ring_getset[] = {
+    {"maxlen", (getter)Ring_get_maxlen, NULL, "The most values kept (a power of two).", NULL},
+    {NULL},
+};
+
+static PySequenceMethods Ring_as_sequence = {.sq_length = (lenfunc)Ring_length};
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dataloader_exporter.instrument._hotpath.Ring",
+    .tp_basicsize = sizeof(Ring),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A bounded queue of int64 nanoseconds: append, len, take.",
+    .tp_new = Ring_new,
+    .tp_dealloc = (destructor)Ring_dealloc,
+    .tp_methods = Ring_methods,
+    .tp_getset = Ring_getset,
+    .tp_as_sequence = &Ring_as_sequence,
+};
+
+/* ---------------------------------------------------------------- Counts */
+
+typedef struct {
+    PyObject_HEAD
+    long long batches;
+    long long samples;
+    long long last_batch_ns;
+    Ring *fetch;
+    Ring *step;
+} Counts;
+
+static PyTypeObject CountsType;
+
+static PyObject *new_ring(Py_ssize_t maxlen) {
+    return PyObject_CallFunction((PyObject *)&RingType, "n", maxlen);
+}
+
+/* Counts(...) takes any arguments (a subclass's own); its rings hold MAX_UNREAD, set by
+   the subclass's __init__ through _rings(maxlen) when it differs. */
+static PyObject *Counts_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Counts *c = (Counts *)type->tp_alloc(type, 0);
+    if (c == NULL) return NULL;
+    c->fetch = (Ring *)new_ring(1 << 17);
+    c->step = (Ring *)new_ring(1 << 17);
+    if (c->fetch == NULL || c->step == NULL) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    return (PyObject *)c;
+}
+
+/* No cycle runs through a Counts' own fields (its rings refer to nothing). */
+static void Counts_dealloc(Counts *c) {
+    Py_CLEAR(c->fetch);
+    Py_CLEAR(c->step);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static PyObject *Counts_rings(Counts *c, PyObject *arg) {
+    Py_ssize_t maxlen = PyLong_AsSsize_t(arg);
+    if (maxlen == -1 && PyErr_Occurred()) return NULL;
+    PyObject *f = new_ring(maxlen), *s = new_ring(maxlen);
+    if (f == NULL || s == NULL) {
+        Py_XDECREF(f);
+        Py_XDECREF(s);
+        return NULL;
+    }
+    Py_SETREF(c->fetch, (Ring *)f);
+    Py_SETREF(c->step, (Ring *)s);
+    Py_RETURN_NONE;
+}
+
+static PyMemberDef Counts_members[] = {
+    {"batches", T_LONGLONG, offsetof(Counts, batches), 0, "Batches handed out."},
+    {"samples", T_LONGLONG, offsetof(Counts, samples), 0, "Samples handed out."},
+    {"last_batch_ns", T_LONGLONG, offsetof(Counts, last_batch_ns), 0,
+     "perf_counter_ns of the last batch handed out (0: none yet)."},
+    {"fetch", T_OBJECT, offsetof(Counts, fetch), READONLY, "The fetch waits not read yet."},
+    {"step", T_OBJECT, offsetof(Counts, step), READONLY, "The steps not read yet."},
+    {NULL},
+};
+
+static PyMethodDef Counts_methods[] = {
+    {"_rings", (PyCFunction)Counts_rings, METH_O, "New, empty rings of maxlen values."},
+    {NULL},
+};
+
+static PyTypeObject CountsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dataloader_exporter.instrument._hotpath.Counts",
+    .tp_basicsize = sizeof(Counts),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "What the loop writes for one (loader, rank).",
+    .tp_new = Counts_new,
+    .tp_dealloc = (destructor)Counts_dealloc,
+    .tp_members = Counts_members,
+    .tp_methods = Counts_methods,
+};
+
+/* ---------------------------------------------------------------- Timed */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *it;     /* the iterator timed */
+    Counts *rec;      /* where its batches are recorded */
+    long long last;   /* perf_counter_ns of its last batch (0: none yet) */
+    long long mark;   /* while rec.batches < mark a batch is full and nothing is due */
+    long long size;   /* a full batch's samples */
+} Timed;
+
+static PyObject *str_first, *str_walk, *str_exhausted, *str_raised;
+
+static int Timed_traverse(Timed *t, visitproc visit, void *arg) {
+    Py_VISIT(t->it);
+    Py_VISIT(t->rec);
+    return 0;
+}
+
+static int Timed_clear(Timed *t) {
+    Py_CLEAR(t->it);
+    Py_CLEAR(t->rec);
+    return 0;
+}
+
+static void Timed_dealloc(Timed *t) {
+    PyObject_GC_UnTrack(t);
+    Timed_clear(t);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+/* The slow paths: a method of the subclass with (batch, int). Steals batch. */
+static PyObject *call2(Timed *t, PyObject *name, PyObject *batch, long long n) {
+    PyObject *num = PyLong_FromLongLong(n);
+    if (num == NULL) {
+        Py_DECREF(batch);
+        return NULL;
+    }
+    PyObject *args[3] = {(PyObject *)t, batch, num};
+    PyObject *out = PyObject_VectorcallMethod(name, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                              NULL);
+    Py_DECREF(batch);
+    Py_DECREF(num);
+    return out;
+}
+
+/* next() of the held iterator ended it or raised: the subclass's _exhausted() at its
+   end (then the same end: no exception, or the same StopIteration), _raised(exc) for an
+   Exception (what it returns is the batch; what it raises goes on); anything else goes
+   on untouched. */
+static PyObject *ended(Timed *t) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (type == NULL || PyErr_GivenExceptionMatches(type, PyExc_StopIteration)) {
+        PyObject *r = PyObject_CallMethodNoArgs((PyObject *)t, str_exhausted);
+        if (r == NULL) {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            return NULL;
+        }
+        Py_DECREF(r);
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    if (!PyErr_GivenExceptionMatches(type, PyExc_Exception)) {
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL) PyException_SetTraceback(value, tb);
+    PyObject *r = PyObject_CallMethodOneArg((PyObject *)t, str_raised, value);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return r;
+}
+
+static PyObject *Timed_next(Timed *t) {
+    PyObject *it = t->it;
+    if (it == NULL || t->rec == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a timed iterator without its iterator");
+        return NULL;
+    }
+    iternextfunc next = Py_TYPE(it)->tp_iternext;
+    if (next == NULL) {  /* as next() says it, and an error like any other */
+        PyErr_Format(PyExc_TypeError, "'%.200s' object is not an iterator",
+                     Py_TYPE(it)->tp_name);
+        return ended(t);
+    }
+    Py_INCREF(it);
+    int64_t t0 = now_ns();
+    PyObject *batch = next(it);
+    Py_DECREF(it);
+    if (batch == NULL) return ended(t);
+    int64_t t1 = now_ns();
+    Counts *rec = t->rec;
+    ring_push(rec->fetch, t1 - t0);
+    if (t->last) {
+        ring_push(rec->step, t0 - t->last);
+        t->last = rec->last_batch_ns = t1;
+        long long b = ++rec->batches;
+        if (b < t->mark) {
+            rec->samples += t->size;
+            return batch;
+        }
+        return call2(t, str_walk, batch, b);
+    }
+    return call2(t, str_first, batch, t1);
+}
+
+static PyObject *Timed_get_it(Timed *t, void *Py_UNUSED(closure)) {
+    if (t->it == NULL) Py_RETURN_NONE;
+    return Py_NewRef(t->it);
+}
+
+static int Timed_set_it(Timed *t, PyObject *v, void *Py_UNUSED(closure)) {
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "_it cannot be deleted");
+        return -1;
+    }
+    Py_XSETREF(t->it, Py_NewRef(v));
+    return 0;
+}
+
+static PyObject *Timed_get_rec(Timed *t, void *Py_UNUSED(closure)) {
+    if (t->rec == NULL) Py_RETURN_NONE;
+    return Py_NewRef((PyObject *)t->rec);
+}
+
+static int Timed_set_rec(Timed *t, PyObject *v, void *Py_UNUSED(closure)) {
+    if (v == NULL || !PyObject_TypeCheck(v, &CountsType)) {
+        PyErr_SetString(PyExc_TypeError, "_rec must be a Counts");
+        return -1;
+    }
+    Py_XSETREF(t->rec, (Counts *)Py_NewRef(v));
+    return 0;
+}
+
+static PyMemberDef Timed_members[] = {
+    {"_last", T_LONGLONG, offsetof(Timed, last), 0,
+     "perf_counter_ns of the iterator's last batch (0: none yet)."},
+    {"_mark", T_LONGLONG, offsetof(Timed, mark), 0,
+     "While rec.batches < _mark a batch holds _size samples and nothing else is due."},
+    {"_size", T_LONGLONG, offsetof(Timed, size), 0, "A full batch's samples."},
+    {NULL},
+};
+
+static PyGetSetDef Timed_getset[] = {
+    {"_it", (getter)Timed_get_it, (setter)Timed_set_it, "The iterator timed.", NULL},
+    {"_rec", (getter)Timed_get_rec, (setter)Timed_set_rec, "Where batches are recorded.",
+     NULL},
+    {NULL},
+};
+
+static PyObject *Timed_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    return type->tp_alloc(type, 0);
+}
+
+static PyTypeObject TimedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dataloader_exporter.instrument._hotpath.Timed",
+    .tp_basicsize = sizeof(Timed),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Times each next() of the iterator it holds (_it) into _rec.",
+    .tp_new = Timed_new,
+    .tp_dealloc = (destructor)Timed_dealloc,
+    .tp_traverse = (traverseproc)Timed_traverse,
+    .tp_clear = (inquiry)Timed_clear,
+    .tp_free = PyObject_GC_Del,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)Timed_next,
+    .tp_members = Timed_members,
+    .tp_getset = Timed_getset,
+};
+
+/* ---------------------------------------------------------------- module */
+
+static PyObject *clock_ns(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromLongLong(now_ns());
+}
+
+static PyMethodDef module_methods[] = {
+    {"clock_ns", clock_ns, METH_NOARGS, "The clock Timed reads (perf_counter_ns's)."},
+    {NULL},
+};
+
+static struct PyModuleDef hotpath_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "dataloader_exporter.instrument._hotpath",
+    .m_doc = "The per-batch path in C (hotpath_py.py is the same in Python).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC PyInit__hotpath(void) {
+    if (PyType_Ready(&RingType) < 0 || PyType_Ready(&CountsType) < 0
+        || PyType_Ready(&TimedType) < 0)
+        return NULL;
+    str_first = PyUnicode_InternFromString("_first");
+    str_walk = PyUnicode_InternFromString("_walk");
+    str_exhausted = PyUnicode_InternFromString("_exhausted");
+    str_raised = PyUnicode_InternFromString("_raised");
+    if (!str_first || !str_walk || !str_exhausted || !str_raised) return NULL;
+    PyObject *m = PyModule_Create(&hotpath_module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "Ring", (PyObject *)&RingType) < 0
+        || PyModule_AddObjectRef(m, "Counts", (PyObject *)&CountsType) < 0
+        || PyModule_AddObjectRef(m, "Timed", (PyObject *)&TimedType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,189 @@
+"""The per-batch path's base types, the C build and the Python one side by side: the same
+batches, the same exceptions (the very objects), the same records; and the C build is what
+an install here runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dataloader_exporter.instrument import hotpath_base
+
+pytestmark = pytest.mark.torch  # the instrument package (its hot path's modules)
+
+BUILDS = [pytest.param((hotpath_base.PyRing, hotpath_base.PyCounts, hotpath_base.PyTimed),
+                       id="python")]
+try:
+    from dataloader_exporter.instrument import _hotpath
+
+    BUILDS.append(pytest.param((_hotpath.Ring, _hotpath.Counts, _hotpath.Timed), id="c"))
+except ImportError:  # test_the_c_build_is_what_runs says why
+    pass
+
+
+def test_the_c_build_is_what_runs() -> None:
+    """The project's install builds the extension (setup.py; gcc and the Python headers
+    are on these machines): a silent fall back to Python would cost every batch."""
+    assert os.environ.get(hotpath_base.PURE_PYTHON_ENV) is None
+    assert hotpath_base.NATIVE, "instrument/_hotpath.c was not built: pip install -e ."
+    assert hotpath_base.Timed.__module__ == "dataloader_exporter.instrument._hotpath"
+
+
+def make(build: tuple[Any, Any, Any]) -> tuple[Any, Any]:
+    _, counts, timed = build
+
+    class Rec(counts):  # type: ignore[misc, valid-type]
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self._rings(8)
+
+    class It(timed):  # type: ignore[misc, valid-type]
+        __slots__ = ("calls",)
+
+        def __init__(self, it: Iterator[Any], rec: Any, mark: int, size: int) -> None:
+            self._it, self._rec, self._last, self._mark, self._size = it, rec, 0, mark, size
+            self.calls: list[tuple[Any, ...]] = []
+
+        def _first(self, batch: Any, t1: int) -> Any:
+            self.calls.append(("first", batch))
+            self._last = self._rec.last_batch_ns = t1
+            self._rec.batches += 1
+            return batch
+
+        def _walk(self, batch: Any, b: int) -> Any:
+            self.calls.append(("walk", batch, b))
+            self._rec.samples += 100
+            return batch
+
+        def _exhausted(self) -> None:
+            self.calls.append(("end",))
+
+        def _raised(self, e: Exception) -> Any:
+            self.calls.append(("raised", e))
+            if isinstance(e, KeyError):
+                return "instead"  # its return is the batch
+            raise e
+
+    return Rec, It
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_full_batches_are_recorded_and_the_rest_is_the_subclass(build: Any) -> None:
+    rec_t, it_t = make(build)
+    rec = rec_t("x")
+    before = time.perf_counter_ns()
+    it = it_t(iter(range(6)), rec, mark=4, size=3)
+    assert list(it) == list(range(6))
+    after = time.perf_counter_ns()
+    # the first batch, full ones while batches < 4 (2 and 3), then walks at 4, 5, 6
+    assert it.calls == [("first", 0), ("walk", 3, 4), ("walk", 4, 5), ("walk", 5, 6),
+                        ("end",)]
+    assert (rec.batches, rec.samples) == (6, 2 * 3 + 3 * 100)
+    fetch = hotpath_base.drain(rec.fetch)
+    step = hotpath_base.drain(rec.step)
+    assert fetch.dtype == np.int64 and len(fetch) == 6 and len(step) == 5
+    assert (fetch >= 0).all() and (step >= 0).all()
+    assert before <= rec.last_batch_ns <= after  # perf_counter_ns's clock
+    assert len(rec.fetch) == 0 and len(hotpath_base.drain(rec.fetch)) == 0
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_exceptions_pass_as_the_same_objects(build: Any) -> None:
+    rec_t, it_t = make(build)
+    boom = ValueError("boom")
+
+    def source() -> Iterator[int]:
+        yield 1
+        raise boom
+
+    it = it_t(source(), rec_t("x"), mark=0, size=0)
+    assert next(it) == 1
+    with pytest.raises(ValueError) as got:
+        next(it)
+    assert got.value is boom and got.value.__traceback__ is not None
+    assert it.calls[-1] == ("raised", boom)
+
+    def keyed() -> Iterator[int]:
+        raise KeyError(1)
+        yield 0
+
+    assert next(it_t(keyed(), rec_t("x"), 0, 0)) == "instead"
+
+    def interrupted() -> Iterator[int]:
+        raise KeyboardInterrupt
+        yield 0
+
+    quiet = it_t(interrupted(), rec_t("x"), 0, 0)
+    with pytest.raises(KeyboardInterrupt):
+        next(quiet)
+    assert quiet.calls == []  # not an Exception: passes untouched
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_end_keeps_the_iterators_stopiteration(build: Any) -> None:
+    rec_t, it_t = make(build)
+
+    class Ends:
+        def __iter__(self) -> Ends:
+            return self
+
+        def __next__(self) -> int:
+            raise StopIteration("its value")
+
+    it = it_t(Ends(), rec_t("x"), 0, 0)
+    with pytest.raises(StopIteration) as got:
+        next(it)
+    assert got.value.args == ("its value",) and it.calls == [("end",)]
+    not_an_iterator = it_t(object(), rec_t("x"), 0, 0)
+    with pytest.raises(TypeError, match="not an iterator"):
+        next(not_an_iterator)
+    assert [c[0] for c in not_an_iterator.calls] == ["raised"]  # an error like any other
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_a_ring_keeps_its_newest_values_in_order(build: Any) -> None:
+    ring = build[0](8)
+    for i in range(20):
+        ring.append(i)
+    assert len(ring) == 8
+    assert hotpath_base.drain(ring).tolist() == list(range(12, 20))
+    big = build[0](1 << 12)
+    for i in range(3000):  # past the first allocations
+        big.append(i)
+    assert hotpath_base.drain(big).tolist() == list(range(3000))
+
+
+def test_the_python_build_runs_a_loader_the_same(tmp_path: Path) -> None:
+    """With DATALOADER_EXPORTER_PURE_PYTHON=1 the loader runs on the Python build: the
+    same batches as torch's own loader, and the same counts."""
+    script = tmp_path / "pure.py"
+    script.write_text(
+        "import torch\n"
+        "from prometheus_client import CollectorRegistry\n"
+        "from dataloader_exporter import instrument\n"
+        "from dataloader_exporter.instrument import hotpath_base\n"
+        "assert not hotpath_base.NATIVE\n"
+        "ds = torch.utils.data.TensorDataset(torch.arange(50.0))\n"
+        "reg = CollectorRegistry()\n"
+        "ours = instrument.DataLoader(ds, batch_size=4, name='p', registry=reg)\n"
+        "bare = torch.utils.data.DataLoader(ds, batch_size=4)\n"
+        "for _ in range(2):\n"
+        "    got, want = [b[0].tolist() for b in ours], [b[0].tolist() for b in bare]\n"
+        "    assert got == want, (got, want)\n"
+        "rec = ours._instruments.rec\n"
+        "rec.flush()\n"
+        "assert (rec.batches, rec.samples) == (26, 100), (rec.batches, rec.samples)\n"
+        "assert int(rec.fetch_h.counts.sum()) == 26 and int(rec.step_h.counts.sum()) == 24\n"
+        "print('ok')\n")
+    env = {**os.environ, hotpath_base.PURE_PYTHON_ENV: "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
