@@ -20,6 +20,13 @@
 #include <string.h>
 #include <time.h>
 
+#ifndef __linux__
+/* perf_counter_ns reads CLOCK_MONOTONIC on Linux only: elsewhere the Python build runs. */
+#error "the per-batch path in C is built on Linux only"
+#endif
+
+#define MAX_RING ((Py_ssize_t)1 << 40)  /* values a ring may keep: 8 TiB, far past any use */
+
 static inline int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -73,6 +80,10 @@ static PyObject *Ring_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|n", kwlist, &maxlen)) return NULL;
     if (maxlen < 1) {
         PyErr_SetString(PyExc_ValueError, "maxlen must be at least 1");
+        return NULL;
+    }
+    if (maxlen > MAX_RING) {
+        PyErr_Format(PyExc_OverflowError, "maxlen must be at most %zd", (Py_ssize_t)MAX_RING);
         return NULL;
     }
     Py_ssize_t p = 1;
@@ -272,29 +283,34 @@ static PyObject *call2(Timed *t, PyObject *name, PyObject *batch, long long n) {
 /* next() of the held iterator ended it or raised: the subclass's _exhausted() at its
    end (then the same end: no exception, or the same StopIteration), _raised(exc) for an
    Exception (what it returns is the batch; what it raises goes on); anything else goes
-   on untouched. */
+   on untouched. Each runs with the exception being handled, as in an `except` block: what
+   it raises has it as __context__, and a bare `raise` raises it. */
 static PyObject *ended(Timed *t) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    if (type == NULL || PyErr_GivenExceptionMatches(type, PyExc_StopIteration)) {
-        PyObject *r = PyObject_CallMethodNoArgs((PyObject *)t, str_exhausted);
-        if (r == NULL) {
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-            return NULL;
-        }
+    int stop = type == NULL || PyErr_GivenExceptionMatches(type, PyExc_StopIteration);
+    if (!stop && !PyErr_GivenExceptionMatches(type, PyExc_Exception)) {
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    PyObject *saved = NULL;
+    if (type != NULL) {
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL) PyException_SetTraceback(value, tb);
+        saved = PyErr_GetHandledException();
+        PyErr_SetHandledException(value);   /* as inside `except ... as e:` */
+    }
+    PyObject *r = stop ? PyObject_CallMethodNoArgs((PyObject *)t, str_exhausted)
+                       : PyObject_CallMethodOneArg((PyObject *)t, str_raised, value);
+    if (type != NULL) {
+        PyErr_SetHandledException(saved);
+        Py_XDECREF(saved);
+    }
+    if (stop && r != NULL) {
         Py_DECREF(r);
         PyErr_Restore(type, value, tb);
         return NULL;
     }
-    if (!PyErr_GivenExceptionMatches(type, PyExc_Exception)) {
-        PyErr_Restore(type, value, tb);
-        return NULL;
-    }
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (tb != NULL) PyException_SetTraceback(value, tb);
-    PyObject *r = PyObject_CallMethodOneArg((PyObject *)t, str_raised, value);
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(tb);
@@ -313,10 +329,12 @@ static PyObject *Timed_next(Timed *t) {
                      Py_TYPE(it)->tp_name);
         return ended(t);
     }
+    if (Py_EnterRecursiveCall(" in a timed iterator")) return ended(t);  /* _it loops back */
     Py_INCREF(it);
     int64_t t0 = now_ns();
     PyObject *batch = next(it);
     Py_DECREF(it);
+    Py_LeaveRecursiveCall();
     if (batch == NULL) return ended(t);
     int64_t t1 = now_ns();
     Counts *rec = t->rec;

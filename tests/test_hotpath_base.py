@@ -128,6 +128,43 @@ def test_exceptions_pass_as_the_same_objects(build: Any) -> None:
 
 
 @pytest.mark.parametrize("build", BUILDS)
+def test_the_hooks_run_as_in_an_except_block(build: Any) -> None:
+    """What _raised raises carries the loader's error as its context, a bare raise raises
+    that error, and an iterator that loops back is a RecursionError, not a crash."""
+    rec_t, it_t = make(build)
+    boom = ValueError("boom")
+
+    def source() -> Iterator[int]:
+        raise boom
+        yield 0
+
+    class Wraps(it_t):  # type: ignore[misc, valid-type]
+        __slots__ = ()
+
+        def _raised(self, e: Exception) -> Any:
+            raise RuntimeError("the hook's own")
+
+    with pytest.raises(RuntimeError) as got:
+        next(Wraps(source(), rec_t("x"), 0, 0))
+    assert got.value.__context__ is boom
+
+    class Bare(it_t):  # type: ignore[misc, valid-type]
+        __slots__ = ()
+
+        def _raised(self, e: Exception) -> Any:
+            raise
+
+    with pytest.raises(ValueError) as again:
+        next(Bare(source(), rec_t("x"), 0, 0))
+    assert again.value is boom
+
+    loops = it_t(iter(()), rec_t("x"), 0, 0)
+    loops._it = loops
+    with pytest.raises(RecursionError):
+        next(loops)
+
+
+@pytest.mark.parametrize("build", BUILDS)
 def test_the_end_keeps_the_iterators_stopiteration(build: Any) -> None:
     rec_t, it_t = make(build)
 
@@ -155,6 +192,9 @@ def test_a_ring_keeps_its_newest_values_in_order(build: Any) -> None:
         ring.append(i)
     assert len(ring) == 8
     assert hotpath_base.drain(ring).tolist() == list(range(12, 20))
+    if build[0] is not hotpath_base.PyRing:
+        with pytest.raises(OverflowError):
+            build[0](1 << 62)
     big = build[0](1 << 12)
     for i in range(3000):  # past the first allocations
         big.append(i)
