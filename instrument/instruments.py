@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import sys
 import threading
 import time
 import weakref
@@ -222,7 +223,12 @@ class Instruments:
 
     def before_pool(self) -> None:
         """Before torch's iter() starts new workers: the last epoch's pool, unless
-        persistent, ended on purpose, and the tracker prepared (WorkerTracker.prepare)."""
+        persistent, ended on purpose, and the tracker prepared (WorkerTracker.prepare).
+        numpy.random is imported here once: each torch worker seeds it, and a forked
+        worker whose trainer never imported it imports it itself (a few ms of each
+        worker's start, in every epoch of a pool that is not persistent)."""
+        if "numpy.random" not in sys.modules:
+            import numpy.random  # noqa: F401
         workers = self.rec.workers
         if self._last_gen and not self.config.persistent_workers:
             workers.stop(self._last_gen)

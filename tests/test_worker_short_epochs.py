@@ -67,3 +67,38 @@ def test_cpu_bound_workers_in_a_short_epoch_are_seen_running(
     one_epoch(registry, BurnDataset(32, cpu=0.01))
     got = shares(registry)  # on a busy machine they also wait for a CPU, never block long
     assert got["running"] > got["blocked"] and got["blocked"] < 0.3, got
+
+
+FORKED_WORKERS_SHARE = """
+import sys
+import torch
+from prometheus_client import CollectorRegistry
+from dataloader_exporter import instrument
+assert "numpy.random" not in sys.modules, "imported before the test could see it"
+
+class WhichRandom(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return id(sys.modules["numpy.random"])  # seeded by torch's worker loop before this
+
+loader = instrument.DataLoader(WhichRandom(), batch_size=2, num_workers=2,
+                               multiprocessing_context="fork", registry=CollectorRegistry())
+ids = {int(i) for batch in loader for i in batch}
+print(ids == {id(sys.modules.get("numpy.random"))})
+"""
+
+
+def test_forked_workers_find_numpy_random_imported_by_the_trainer(tmp_path: Any) -> None:
+    """torch seeds numpy.random in each worker; the trainer imports it before a pool
+    starts, so a forked worker inherits it rather than importing it (each worker's start,
+    every epoch of a pool that is not persistent)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "which.py"
+    script.write_text(FORKED_WORKERS_SHARE)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-3000:]
