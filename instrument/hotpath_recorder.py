@@ -4,8 +4,7 @@ The training loop only appends integer nanoseconds to bounded rings and bumps in
 (hotpath_base.py, in C where built). Whoever reads the metrics (the snapshot thread, a
 scrape) takes the rings' contents under a lock and bins them into cumulative histograms
 with numpy (LoaderRecorder.flush), so no lock, file or GPU synchronisation sits on the
-per-batch path. The metric families built from
-recorders: loader_collector.py.
+per-batch path. The metric families built from recorders: loader_collector.py.
 """
 
 from __future__ import annotations
