@@ -19,8 +19,8 @@ the same in Python here (and with DATALOADER_EXPORTER_PURE_PYTHON=1 set at impor
 
 The C build (Linux only: elsewhere this module runs) does a full batch in about 60 ns and
 no Python frame; this module in about 300 ns. Both read perf_counter_ns's clock
-(CLOCK_MONOTONIC). Each call holds the
-interpreter lock: a reader's take() and the loop's append never interleave.
+(CLOCK_MONOTONIC). Each call holds the interpreter lock: a reader's take() and the loop's
+append never interleave.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ class PyCounts:
     batches = 0
     samples = 0
     last_batch_ns = 0
-    fetch: Any = PyRing(1)  # replaced per instance by _rings()
-    step: Any = PyRing(1)
+    fetch: PyRing  # set by _rings()
+    step: PyRing
 
     def _rings(self, maxlen: int) -> None:
         self.fetch = PyRing(maxlen)
@@ -124,10 +124,11 @@ class PyTimed:
 
 
 NATIVE = False
+_FORCED = os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0")
 if TYPE_CHECKING:
     from ._hotpath import Counts, Ring, Timed
 else:
-    if os.environ.get(PURE_PYTHON_ENV, "") in ("", "0"):
+    if not _FORCED:
         try:
             from ._hotpath import Counts, Ring, Timed
 
@@ -138,8 +139,8 @@ else:
         Ring, Counts, Timed = PyRing, PyCounts, PyTimed
         logging.getLogger("dataloader_exporter.instrument").info(
             "the loader's per-batch path runs in Python (%s), about 0.25 µs a batch more than "
-            "its C build", f"{PURE_PYTHON_ENV} is set" if os.environ.get(PURE_PYTHON_ENV, "")
-            not in ("", "0") else "instrument/_hotpath.c was not built at install")
+            "its C build", f"{PURE_PYTHON_ENV} is set" if _FORCED
+            else "instrument/_hotpath.c was not built at install")
 
 
 def drain(q: Any) -> np.ndarray:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from time import thread_time_ns
 from typing import Any
 
-from .hotpath_base import Timed
+from .hotpath_base import PyTimed, Timed
 from .hotpath_batch import batch_nbytes, loader_len
 from .instruments import Instruments, reraise_torch_worker_error
 
@@ -171,7 +171,7 @@ class TimedIterator(Timed):
         return getattr(self._it, name)
 
 
-_OWN = frozenset(TimedIterator.__slots__) | {"_it", "_rec", "_last", "_mark", "_size"}
+_OWN = frozenset(TimedIterator.__slots__) | frozenset(PyTimed.__slots__)  # Timed's too
 
 
 class CpuTimedIterator(TimedIterator):
