@@ -1,4 +1,4 @@
-/* The per-batch path of an instrumented loader in C: what hotpath_py.py does in Python.
+/* The per-batch path of an instrumented loader in C: what hotpath_base.py does in Python.
 
    Ring      a bounded queue of int64 nanoseconds: the loop appends, a reader takes all
              (bytes, in order). Full, it drops its oldest value, as a deque with maxlen.
@@ -9,6 +9,10 @@
              and records a full batch without a call into Python. Everything else (the
              first batch, a batch to walk, the end, an error) is a call of the Python
              subclass's _first, _walk, _exhausted or _raised.
+   beat      a worker's row update at the end of each batch (hotpath_workerblock.py):
+             clocks, counts and its thread's run-queue wait written into its row of the
+             shared block, without a Python object touched (a freshly forked worker
+             pays for each page it writes).
 
    Every call here holds the interpreter lock and none releases it: a reader's take()
    and the loop's append never interleave. */
@@ -19,6 +23,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #ifndef __linux__
 /* perf_counter_ns reads CLOCK_MONOTONIC on Linux only: elsewhere the Python build runs. */
@@ -423,15 +430,73 @@ static PyObject *clock_ns(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored)) 
     return PyLong_FromLongLong(now_ns());
 }
 
+/* A worker's row of the shared block: the field order of hotpath_workerblock.py. */
+enum { CPU, SAMPLES, HEARTBEAT, PID, UNCOUNTED, MISCOUNTED, WAIT, FIRST_CPU, FIRST_WAIT,
+       FIRST_BEAT, FIELDS };
+#define FD_UNOPENED (-2)
+
+static int64_t clock_of(clockid_t id) {
+    struct timespec ts;
+    if (clock_gettime(id, &ts) != 0) return 0;
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* This thread's run-queue wait (ns): schedstat's 2nd field, -1 if unreadable. */
+static int64_t wait_ns(int fd) {
+    char buf[128];
+    ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+    if (n <= 0) return -1;
+    buf[n] = '\0';
+    char *end;
+    strtoll(buf, &end, 10);
+    if (end == buf) return -1;
+    char *second = end;
+    long long v = strtoll(second, &end, 10);
+    return end == second || v < 0 ? -1 : (int64_t)v;
+}
+
+static PyObject *beat(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "beat(address, samples, miscounted, fd)");
+        return NULL;
+    }
+    int64_t *row = (int64_t *)PyLong_AsVoidPtr(args[0]);
+    long long n = PyLong_AsLongLong(args[1]);
+    int miscounted = PyObject_IsTrue(args[2]);
+    long fd = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred() || miscounted < 0) return NULL;
+    if (row == NULL || ((uintptr_t)row & 7)) {
+        PyErr_SetString(PyExc_ValueError, "beat: not a row's address");
+        return NULL;
+    }
+    if (n < 0) row[UNCOUNTED] += 1;
+    else row[SAMPLES] += n;
+    if (miscounted) row[MISCOUNTED] += 1;
+    if (!row[PID]) row[PID] = (int64_t)getpid();
+    if (fd == FD_UNOPENED) fd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
+    row[CPU] = clock_of(CLOCK_PROCESS_CPUTIME_ID);
+    row[HEARTBEAT] = clock_of(CLOCK_REALTIME);
+    row[WAIT] = fd >= 0 ? wait_ns((int)fd) : -1;
+    if (!row[FIRST_BEAT]) {
+        row[FIRST_CPU] = row[CPU];
+        row[FIRST_WAIT] = row[WAIT];
+        row[FIRST_BEAT] = row[HEARTBEAT];
+    }
+    return PyLong_FromLong(fd < 0 ? -1 : fd);
+}
+
 static PyMethodDef module_methods[] = {
     {"clock_ns", clock_ns, METH_NOARGS, "The clock Timed reads (perf_counter_ns's)."},
+    {"beat", (PyCFunction)(void (*)(void))beat, METH_FASTCALL,
+     "beat(address, samples, miscounted, fd) -> fd: a worker's row at the end of a batch "
+     "(hotpath_workerblock.beat says what it writes)."},
     {NULL},
 };
 
 static struct PyModuleDef hotpath_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "dataloader_exporter.instrument._hotpath",
-    .m_doc = "The per-batch path in C (hotpath_py.py is the same in Python).",
+    .m_doc = "The per-batch path in C (hotpath_base.py is the same in Python).",
     .m_size = -1,
     .m_methods = module_methods,
 };

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
+from .hotpath_base import NATIVE
 from .hotpath_batch import batch_len, item_len
 
 CPU, SAMPLES, HEARTBEAT, PID, UNCOUNTED, MISCOUNTED = range(6)
@@ -46,6 +47,8 @@ CPU, SAMPLES, HEARTBEAT, PID, UNCOUNTED, MISCOUNTED = range(6)
 # still says where its workers' time went between the two (worker_tracker.py).
 WAIT, FIRST_CPU, FIRST_WAIT, FIRST_BEAT = range(6, 10)
 _FIELDS = 10
+ROW_BYTES = _FIELDS * 8  # int64
+FD_UNOPENED = -2
 _SCHEDSTAT = "/proc/thread-self/schedstat"
 
 
@@ -74,6 +77,42 @@ def _wait_ns(fd: int) -> int:
         return -1
 
 
+def py_beat(row: Any, samples: int, miscounted: bool, fd: int) -> int:
+    """A worker's row (a numpy view) at the end of a batch; returns the schedstat fd.
+
+    samples: the batch's count, or -1 when unknown (UNCOUNTED + 1); miscounted:
+    MISCOUNTED + 1. The pid is written at the first batch, and schedstat opened when fd
+    is FD_UNOPENED (-1 from then on where it cannot be). Then the process's CPU time,
+    the wall time and the run-queue wait (-1 where unreadable); at the first batch, these
+    three also as FIRST_*. _hotpath.beat does the same on the row's address.
+    """
+    if samples < 0:
+        row[UNCOUNTED] += 1
+    else:
+        row[SAMPLES] += samples
+    if miscounted:
+        row[MISCOUNTED] += 1
+    if not row[PID]:
+        row[PID] = os.getpid()
+    if fd == FD_UNOPENED:
+        try:  # kept open for the worker's life: one pread a batch
+            fd = os.open(_SCHEDSTAT, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            fd = -1
+    row[CPU] = time.process_time_ns()
+    row[HEARTBEAT] = time.time_ns()
+    row[WAIT] = _wait_ns(fd) if fd >= 0 else -1
+    if not row[FIRST_BEAT]:
+        row[FIRST_CPU], row[FIRST_WAIT], row[FIRST_BEAT] = row[CPU], row[WAIT], row[HEARTBEAT]
+    return fd
+
+
+if NATIVE:
+    from ._hotpath import beat
+else:
+    beat = py_beat  # unused: TimedCollate.native is False
+
+
 class TimedCollate:
     """The user's collate_fn, plus one row update per batch when called in a worker.
 
@@ -91,12 +130,17 @@ class TimedCollate:
         self.batched = batched
         self.verify = verify
         self.on_miscount = on_miscount
-        self._row: Any = None  # this process's row; False where there is none
-        self._fd = -1  # this worker thread's schedstat, opened with its row
+        # The C build writes a row by its address: the block's, read here before the
+        # workers fork (a spawned worker reads its own copy's).
+        self.native = NATIVE
+        self._base = block.data_ptr() if block is not None and NATIVE else 0
+        self._row: Any = None  # this worker's row (address or numpy view); False: none
+        self._fd = FD_UNOPENED  # this worker thread's schedstat, opened at its first batch
 
     def __getstate__(self) -> dict[str, Any]:
         return {"collate_fn": self.collate_fn, "block": self.block, "batched": self.batched,
-                "verify": self.verify, "on_miscount": None, "_row": None, "_fd": -1}
+                "verify": self.verify, "on_miscount": None, "native": self.native,
+                "_base": 0, "_row": None, "_fd": FD_UNOPENED}
 
     def __call__(self, data: Any) -> Any:
         out = self.collate_fn(data)
@@ -116,32 +160,25 @@ class TimedCollate:
             if miscounted and self.on_miscount is not None:
                 self.on_miscount()
             return out
-        if n is None:
-            row[UNCOUNTED] += 1
-        else:
-            row[SAMPLES] += n
-        if miscounted:
-            row[MISCOUNTED] += 1
-        row[CPU] = time.process_time_ns()
-        row[HEARTBEAT] = time.time_ns()
-        row[WAIT] = _wait_ns(self._fd) if self._fd >= 0 else -1
-        if not row[FIRST_BEAT]:
-            row[FIRST_CPU], row[FIRST_WAIT], row[FIRST_BEAT] = row[CPU], row[WAIT], row[HEARTBEAT]
+        try:
+            self._fd = (beat if self.native else py_beat)(
+                row, -1 if n is None else n, miscounted, self._fd)
+        except Exception:  # metrics must never stop a worker
+            self._row = False
         return out
 
     def _bind(self) -> Any:
+        """This worker's row: its address (C build) or a numpy view; False where there is
+        none (the main process, or a block that does not fit)."""
         if self.block is None:
             return False
         try:
             info = get_worker_info()
-            if info is None:
+            if info is None or not 0 <= info.id < self.block.shape[0]:
                 return False
-            row = self.block.numpy()[info.id]
-            row[PID] = os.getpid()
-            try:  # kept open for the worker's life: one pread a batch
-                self._fd = os.open(_SCHEDSTAT, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                self._fd = -1
-            return row
+            if self.native:
+                base = self._base or self.block.data_ptr()
+                return base + info.id * ROW_BYTES
+            return self.block.numpy()[info.id]
         except Exception:  # metrics must never stop a worker
             return False

@@ -96,13 +96,21 @@ class _Totals:
         return out
 
 
+class _Gone(weakref.ref):
+    """A weak reference to a generation's iterator that names the generation (key)."""
+
+    __slots__ = ("key",)
+    key: int
+
+
 class _Generation:
-    __slots__ = ("block", "pids", "watched")
+    __slots__ = ("block", "pids", "ref", "watched")
 
     def __init__(self, block: torch.Tensor | None, pids: list[int]) -> None:
         self.block = block
         self.pids = set(pids)
         self.watched = True
+        self.ref: _Gone | None = None  # its iterator, queued on _collected when collected
 
     def all_pids(self) -> set[int]:
         pids = set(self.pids)
@@ -122,7 +130,7 @@ class WorkerTracker:
         self.lost = 0
         self._lock = threading.Lock()
         self._live: dict[int, _Generation] = {}
-        self._collected: deque[int] = deque()  # generations whose iterator is gone
+        self._collected: deque[_Gone] = deque()  # generations whose iterator is gone
         self._done: set[int] = set()  # pids that ended, lost or not: never counted again
         self._ids = 0
         self._stops = 0
@@ -154,14 +162,16 @@ class WorkerTracker:
             self._fold_collected()
             self._ids += 1
             key = self._ids
-            self._live[key] = _Generation(block, [p for p in pids if p])
+            gen = self._live[key] = _Generation(block, [p for p in pids if p])
             self._next = 0.0
             # The count before these workers can be killed (read by prepare() if it ran).
             reading = self._prepared[0] if self._prepared else oom_watch().read()
             self._prepared = None
             for pid in self._live[key].pids:
                 self._seen[pid] = reading
-        weakref.finalize(iterator, self._collected.append, key)  # no lock: see the docstring
+        # No lock in the callback: it only queues (see the module docstring).
+        gen.ref = _Gone(iterator, self._collected.append)
+        gen.ref.key = key
         return key
 
     def stop(self, key: int) -> None:
@@ -182,7 +192,7 @@ class WorkerTracker:
     def _fold_collected(self) -> None:
         """Folds the generations whose iterator is gone into the totals (lock held)."""
         while self._collected:
-            gen = self._live.pop(self._collected.popleft(), None)
+            gen = self._live.pop(self._collected.popleft().key, None)
             if gen is None:
                 continue
             self._next = 0.0  # its workers are gone: the next read counts again

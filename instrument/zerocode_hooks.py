@@ -34,7 +34,6 @@ import functools
 import inspect
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from time import perf_counter_ns
 from typing import Any
@@ -314,15 +313,13 @@ def holder_iter(holder: Any, inner: list[Any], instruments: Instruments,
 def adopt(loader_obj: Any, instruments: Instruments) -> None:
     """Instruments a loader through the hook, and the copies frameworks build of it."""
     install()
-    by_loader.put(loader_obj, instruments)
+    by_loader.put(loader_obj, instruments, collected)
     instruments.loader_class = type(loader_obj)
     naming = Naming(instruments.name, instruments.registry, instruments.metrics_dir,
                     instruments.port, explicit=True)
     dataset = getattr(loader_obj, "dataset", None)
     if dataset is not None:
         by_dataset.put(dataset, naming)
-    with contextlib.suppress(TypeError):  # cannot tell when it goes: said at exit instead
-        weakref.finalize(loader_obj, collected, instruments)
     report_at_exit()
 
 

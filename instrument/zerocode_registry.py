@@ -14,7 +14,7 @@ import inspect
 import logging
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeGuard, TypeVar
 
@@ -51,13 +51,16 @@ class IdentityTable(Generic[V]):
         entry = self._d.get(id(obj))
         return entry[1] if entry is not None and entry[0]() is obj else None
 
-    def put(self, obj: Any, value: V) -> bool:
+    def put(self, obj: Any, value: V, then: Callable[[V], None] | None = None) -> bool:
+        """Remembers value for obj; then(value) is called once obj is collected."""
         key = id(obj)
 
         def gone(ref: weakref.ref[Any], key: int = key) -> None:
             entry = self._d.get(key)
             if entry is not None and entry[0] is ref:
                 del self._d[key]
+                if then is not None:
+                    then(entry[1])
 
         try:
             self._d[key] = (weakref.ref(obj, gone), value)

@@ -203,7 +203,7 @@ def test_a_ring_keeps_its_newest_values_in_order(build: Any) -> None:
 
 def test_the_python_build_runs_a_loader_the_same(tmp_path: Path) -> None:
     """With DATALOADER_EXPORTER_PURE_PYTHON=1 the loader runs on the Python build: the
-    same batches as torch's own loader, and the same counts."""
+    same batches as torch's own loader, and the same counts, its workers' too."""
     script = tmp_path / "pure.py"
     script.write_text(
         "import torch\n"
@@ -222,8 +222,60 @@ def test_the_python_build_runs_a_loader_the_same(tmp_path: Path) -> None:
         "rec.flush()\n"
         "assert (rec.batches, rec.samples) == (26, 100), (rec.batches, rec.samples)\n"
         "assert int(rec.fetch_h.counts.sum()) == 26 and int(rec.step_h.counts.sum()) == 24\n"
+        "pool = instrument.DataLoader(ds, batch_size=4, num_workers=2, name='w', registry=reg)\n"
+        "got = [b[0].tolist() for b in pool]\n"
+        "assert got == [b[0].tolist() for b in bare], got\n"
+        "workers = pool._instruments.rec.workers.per_worker()\n"
+        "assert [(w, s) for w, _, s, _ in workers] == [(0, 26), (1, 24)], workers\n"
+        "assert all(cpu > 0 and beat > 0 for _, cpu, _, beat in workers), workers\n"
         "print('ok')\n")
     env = {**os.environ, hotpath_base.PURE_PYTHON_ENV: "1"}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not hotpath_base.NATIVE, reason="the C build is missing (see above)")
+def test_a_workers_beat_writes_its_row_the_same_in_both_builds() -> None:
+    """_hotpath.beat (by the row's address) and py_beat (on a numpy view) write the same
+    fields of a worker's row: counts, pid, clocks, run-queue wait and the first batch's."""
+    from dataloader_exporter.instrument import hotpath_workerblock as wb
+
+    block = wb.new_block(2)
+    rows = block.numpy()
+    c_row, py_row = block.data_ptr(), rows[1]
+    fds = []
+    try:
+        before = time.time_ns()
+        fd_c = _hotpath.beat(c_row, 8, False, wb.FD_UNOPENED)
+        fd_py = wb.py_beat(py_row, 8, False, wb.FD_UNOPENED)
+        fds = [fd for fd in (fd_c, fd_py) if fd >= 0]
+        assert fd_c >= 0 and fd_py >= 0  # /proc/thread-self/schedstat is readable here
+        first = rows.copy()
+        for r in first:
+            assert (r[wb.SAMPLES], r[wb.PID], r[wb.UNCOUNTED], r[wb.MISCOUNTED]) == (
+                8, os.getpid(), 0, 0)
+            assert 0 < r[wb.CPU] <= time.process_time_ns()
+            assert before <= r[wb.HEARTBEAT] <= time.time_ns()
+            assert r[wb.WAIT] >= 0
+            assert (r[wb.FIRST_CPU], r[wb.FIRST_WAIT], r[wb.FIRST_BEAT]) == (
+                r[wb.CPU], r[wb.WAIT], r[wb.HEARTBEAT])
+        sum(range(200_000))  # some CPU time between the two batches
+        assert _hotpath.beat(c_row, -1, True, fd_c) == fd_c
+        assert wb.py_beat(py_row, -1, True, fd_py) == fd_py
+        for r, f in zip(rows, first, strict=True):
+            assert (r[wb.SAMPLES], r[wb.UNCOUNTED], r[wb.MISCOUNTED]) == (8, 1, 1)
+            assert r[wb.CPU] > f[wb.CPU] and r[wb.HEARTBEAT] >= f[wb.HEARTBEAT]
+            assert r[wb.WAIT] >= f[wb.WAIT]
+            assert (r[wb.FIRST_CPU], r[wb.FIRST_WAIT], r[wb.FIRST_BEAT]) == (
+                f[wb.FIRST_CPU], f[wb.FIRST_WAIT], f[wb.FIRST_BEAT])
+        # Without schedstat (-1): the wait is unknown, never 0.
+        assert _hotpath.beat(c_row, 1, False, -1) == -1 and rows[0][wb.WAIT] == -1
+        assert wb.py_beat(py_row, 1, False, -1) == -1 and rows[1][wb.WAIT] == -1
+        with pytest.raises(ValueError):
+            _hotpath.beat(0, 1, False, -1)
+        with pytest.raises(ValueError):
+            _hotpath.beat(c_row + 4, 1, False, -1)
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -219,6 +219,11 @@ def test_cgroup_v2_and_v1_oom_counts_are_read_from_the_processes_own_cgroup(
     (proc / "vmstat").write_text("nr_free_pages 1\noom_kill 9\n")
     control.unlink()
     assert OomKills(str(proc), str(root)).count() == 9  # no cgroup counts: the machine's
+    kills = OomKills(str(proc), str(root))
+    for text, want in (("oom_kill 5", 5), ("pgoom_kill 8\noom_kill 6\n", 6),
+                       ("pgoom_kill 8\n", None), ("oom_kill x\n", None)):
+        (proc / "vmstat").write_text(text)  # only a line's own key counts
+        assert kills.count() == want, text
 
 
 def test_the_snapshot_is_written_before_the_exception_reaches_the_loop(

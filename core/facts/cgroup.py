@@ -154,13 +154,16 @@ class OomKills:
                 os.close(fd)
         except OSError:
             return None
-        for line in data.split(b"\n"):
-            if line.startswith(b"oom_kill "):
-                try:
-                    return int(line[9:])
-                except ValueError:
-                    return None
-        return None
+        at = data.find(b"oom_kill ")
+        while at > 0 and data[at - 1] != 0x0A:  # a line's start only
+            at = data.find(b"oom_kill ", at + 1)
+        if at < 0:
+            return None
+        end = data.find(b"\n", at)
+        try:
+            return int(data[at + 9:end if end >= 0 else len(data)])
+        except ValueError:
+            return None
 
 
 def cgroup_pids_room(proc_root: str = PROC, cgroup_root: str = CGROUP) -> int | None:
