@@ -39,7 +39,8 @@ class TimedIterator(Timed):
                  "_resume", "_retry", "_sized", "_start")
 
     def __init__(self, it: Any, owner: Instruments, start_ns: int, gen: int = 0,
-                 count: Counter = loader_len, sized: FullBatches | None = None) -> None:
+                 count: Counter = loader_len, sized: FullBatches | None = None,
+                 tuning_now: bool | None = None) -> None:
         self._it = it  # the iterator timed (torch's, a held loader's, or the tuner's)
         self._rec = owner.rec
         self._last = 0  # perf_counter_ns of its last batch (0: none yet)
@@ -55,7 +56,9 @@ class TimedIterator(Timed):
         self._gen = gen
         self._done = False
         # The batch count at which a tuned loader's workers are sampled (0: never).
-        self._probe = owner.probe_at(it) if owner.tuning_now else 0
+        if tuning_now is None:  # the caller did not say (owner.tuning_now)
+            tuning_now = owner.tuning_now
+        self._probe = owner.probe_at(it) if tuning_now else 0
         # The tuner's way back when its first worker pool fails its first batch.
         self._retry: Callable[[Exception], tuple[Any, Counter] | None] | None = None
         # The tuner's mid-epoch change of a loader that resumes from its state_dict().

@@ -5,8 +5,8 @@ batch but the timed transfer (hotpath_transfer.py)."""
 
 from __future__ import annotations
 
+import functools
 import logging
-import operator
 import os
 import sys
 import threading
@@ -71,7 +71,6 @@ class Instruments:
         self._inputs: tuple[Any, ...] = ()
         self._labels: tuple[LoaderConfig, str, dict[str, str]] | None = None
         self.epochs = 0
-        self._rec: LoaderRecorder | None = None
         self._last_it: weakref.ref[Any] | None = None  # the iterator whose workers we track
         self._last_gen = 0
         self._failures = LogOnce(log)  # one line per failure cause
@@ -88,11 +87,10 @@ class Instruments:
                 log.warning("dataloader %r: cannot serve metrics on port %s: %s "
                             "(training goes on)", log_name(name), port, e)
 
-    @property
+    @functools.cached_property
     def rec(self) -> LoaderRecorder:
-        if self._rec is None:
-            self._rec = self.hub.recorder(self.name, current_rank())
-        return self._rec
+        """The recorder of this loader's name and rank (the rank as of first use)."""
+        return self.hub.recorder(self.name, current_rank())
 
     def failed(self, cause: str, pid: int | None, seen: str) -> None:
         """One line per failure cause with what to change (failure_causes.fix)."""
@@ -197,13 +195,15 @@ class Instruments:
         framework may call iter() to probe a loader and fetch nothing). again: the same
         iter() planned anew (the tuner undid or resumed a change), not one more."""
         inputs = LoaderConfig.inputs(loader)
-        if len(inputs) != len(self._inputs) or not all(map(operator.is_, inputs, self._inputs)):
+        if inputs != self._inputs:  # settings of equal values make the same config
             self.config = LoaderConfig.from_inputs(inputs)
             self._inputs = inputs
         rec = self.rec
         if not again:
             rec.iters += 1
-        rec.workers.report = self.failed  # failures are said with this loader's settings
+        workers = rec.workers
+        if getattr(workers.report, "__self__", None) is not self:
+            workers.report = self.failed  # failures are said with this loader's settings
         shm = process_shm_size()  # the trainer's own, which a doctor elsewhere cannot see
         made = self._labels
         if made is None or made[0] is not self.config or made[1] != shm:
@@ -212,9 +212,9 @@ class Instruments:
                 "dev_shm_bytes": shm})
         rec.config = made[2]  # read-only to its readers (loader_collector.py)
         if self.config.num_workers == 0:
-            rec.workers.blind = False
-            if rec.workers.active is None:
-                rec.workers.active = 0
+            workers.blind = False
+            if workers.active is None:
+                workers.active = 0
 
     def tracking(self, it: Any) -> bool:
         """Whether `it` is the iterator whose workers are tracked already (persistent)."""
@@ -261,21 +261,23 @@ class Instruments:
         rec = self.rec
         rec.first.append(since_iter_ns)
         rec.first_total_ns += since_iter_ns
-        if self.tuning_now:  # the workers' first sample of the epoch (tuner_loop.py)
-            self._read()
+        tuning = self.tuning
+        if tuning is not None and not tuning.tuner.stable:  # tuning_now: the workers' first
+            self._read()  # sample of the epoch (tuner_loop.py)
+            tuning = self.tuning
         self.iterated = True
         self.epochs += 1
         rec.epochs += 1
         try:
-            self.preflight.tuned_workers = (self.tuning is not None
-                                            and "num_workers" in self.tuning.tuned
-                                            and not self.tuning.advice_only)
+            self.preflight.tuned_workers = (tuning is not None and "num_workers" in tuning.tuned
+                                            and not tuning.advice_only)
             self.preflight.on_iter(self.config, self.epochs)
         except Exception:  # advice must never stop training
             log.debug("preflight failed", exc_info=True)
         try:
             rec.batch_bytes = batch_nbytes(batch)
-            self.preflight.on_first_batch(self.config, rec.batch_bytes)
+            if self.config.num_workers:  # no workers, no /dev/shm in their way
+                self.preflight.on_first_batch(self.config, rec.batch_bytes)
         except Exception as e:
             reraise_torch_worker_error(e)
             log.debug("first-batch preflight failed", exc_info=True)

@@ -148,10 +148,11 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     gen = instruments.track(it, plan.block) if plan.workers else 0
     if quiet:
         return QuietIterator(it, instruments, start, gen, plan.count)
-    kind = CpuTimedIterator if not plan.workers and instruments.tuning_now else TimedIterator
+    tuning_now = tuning is not None and not tuning.tuner.stable  # instruments.tuning_now
+    kind = CpuTimedIterator if not plan.workers and tuning_now else TimedIterator
     sized = (fixed_size(loader) if plan.count is collated_len and torch_iter_as_is is TORCH_ITER
-             and undo is None and not instruments.tuning_now else None)
-    timed = kind(it, instruments, start, gen, plan.count, sized)
+             and undo is None and not tuning_now else None)
+    timed = kind(it, instruments, start, gen, plan.count, sized, tuning_now)
     if undo is not None:  # its first batch may fail in the workers: the same epoch without
         timed._retry = _retry(loader, instruments, undo, torch_iter)
     if tuning is not None and not tuning.tuner.stable:
