@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from time import thread_time_ns
-from typing import Any
+from typing import Any, SupportsIndex
 
 from .hotpath_base import PyTimed, Timed
 from .hotpath_batch import batch_nbytes, loader_len
@@ -167,6 +167,13 @@ class TimedIterator(Timed):
 
     def __len__(self) -> int:
         return len(self._it)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        """copy, deepcopy and pickle fail as they do for the iterator it times (torch's
+        raise NotImplementedError); where that one could be copied, this one still cannot:
+        a copy of its timing state would count the same batches twice."""
+        self._it.__reduce_ex__(protocol)
+        raise TypeError(f"cannot pickle {type(self).__name__!r} object")
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in _OWN:

@@ -380,3 +380,20 @@ def test_a_wrapped_torch_loader_raises_what_a_bare_one_raises(
     wrapped = instrument.wrap(TorchDataLoader(FailingDataset(6, 3), batch_size=2,
                                               num_workers=workers), name="f", registry=registry)
     assert failure(wrapped) == failure(bare)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_copying_or_pickling_the_iterator_fails_as_torchs_and_the_epoch_goes_on(
+        registry: CollectorRegistry, workers: int) -> None:
+    bare, ours = pair(SleepDataset(6), registry, batch_size=2, num_workers=workers)
+    its = [iter(bare), iter(ours)]
+    got: list[list[Any]] = [[], []]
+    for k, it in enumerate(its):
+        got[k].append(_plain(next(it)))
+        for attempt in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(Exception) as failed:
+                attempt(it)
+            got[k].append((attempt.__name__, type(failed.value), failed.value.args))
+        got[k].extend(_plain(b) for b in it)
+    assert got[1] == got[0]
+    assert got[0][1][1] is NotImplementedError  # torch's own word, not ours
