@@ -17,8 +17,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, TypeVar
 
 from dataloader_exporter.core.facts.shm import SHM_PATH
 from dataloader_exporter.core.logonce import LogOnce
@@ -34,6 +34,8 @@ if TYPE_CHECKING:  # loaded on first use only: the drop-in does not pay for them
 from .hotpath_recorder import LoaderRecorder
 from .rank import local_rank
 
+T = TypeVar("T")
+
 log = logging.getLogger("dataloader_exporter.instrument")
 
 SNAPSHOT_INTERVAL = 1.0
@@ -48,6 +50,7 @@ class Hub:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._recorders: dict[tuple[str, str], LoaderRecorder] = {}
+        self._shared: dict[tuple[str, str], object] = {}
         self._lock = threading.Lock()
         self._bind_lock = threading.Lock()
         self._writers: dict[str, SnapshotWriter] = {}
@@ -104,6 +107,15 @@ class Hub:
             if rec is None:
                 rec = self._recorders[(name, rank)] = LoaderRecorder(name, rank)
             return rec
+
+    def shared(self, kind: str, name: str, make: Callable[[], T]) -> T:
+        """The one object of `kind` for a loader name (made by make() at first use), shared
+        by every loader of that name here, as its recorder is."""
+        with self._lock:
+            got = self._shared.get((kind, name))
+            if got is None:
+                got = self._shared[(kind, name)] = make()
+            return got  # type: ignore[return-value]  # made by make() for this kind
 
     def write_snapshots(self, directory: str, interval: float = SNAPSHOT_INTERVAL
                         ) -> SnapshotWriter:

@@ -64,7 +64,9 @@ class Instruments:
         self.iterated = False
         self.gpu_checked = False  # to_device onto CUDA has looked up the GPU's UUID
         self.hub: Hub = hub_for(registry)
-        self.preflight = Preflight(name)
+        # Advice is given once per loader name: a sweep that builds a loader per trial
+        # is told once, and its loaders share the checks already made.
+        self.preflight = self.hub.shared("preflight", name, lambda: Preflight(name))
         self.config = LoaderConfig(None, None, None, None, None)
         # start_epoch's memo: the config's inputs, the config, and the recorder's labels
         # made from it with the /dev/shm size they were made with.
@@ -269,9 +271,8 @@ class Instruments:
         self.epochs += 1
         rec.epochs += 1
         try:
-            self.preflight.tuned_workers = (tuning is not None and "num_workers" in tuning.tuned
-                                            and not tuning.advice_only)
-            self.preflight.on_iter(self.config, self.epochs)
+            self.preflight.on_iter(self.config, self.epochs, tuning is not None and
+                                   "num_workers" in tuning.tuned and not tuning.advice_only)
         except Exception:  # advice must never stop training
             log.debug("preflight failed", exc_info=True)
         try:

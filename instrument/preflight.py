@@ -140,7 +140,8 @@ class _Once(Generic[T]):
 
 
 class Preflight:
-    """Logs a loader's configuration once and each piece of advice at most once."""
+    """Logs a loader's configuration once and each piece of advice at most once: one per
+    loader name (Instruments shares it among the loaders of a name, as their series are)."""
 
     def __init__(self, name: str, shm_path: str = SHM_PATH,
                  shm_probe: Callable[[str], ShmSpace | None] = shm_space,
@@ -156,8 +157,6 @@ class Preflight:
         self._cuda = _Once(cuda)
         self._config_line = LogOnce(log, logging.INFO)  # the configuration line
         self._advice = LogOnce(log)  # each piece of advice
-        # The tuner sets num_workers from what it measures: no advice on the count here.
-        self.tuned_workers = False
         # The config (and tuned_workers) whose advice on_iter gave: only the epoch's is left.
         self._checked: LoaderConfig | None = None
         self._checked_tuned = False
@@ -166,15 +165,17 @@ class Preflight:
         if not self._advice.seen(key):
             self._advice.problem(key, "dataloader %r: " + msg, log_name(self.name), *args)
 
-    def on_iter(self, cfg: LoaderConfig, epoch: int) -> None:
-        """At each iter(): the config line (first time) and config-only advice."""
-        if cfg is self._checked and self.tuned_workers is self._checked_tuned:
+    def on_iter(self, cfg: LoaderConfig, epoch: int, tuned_workers: bool = False) -> None:
+        """At each iter(): the config line (first time) and config-only advice. The loader's
+        epoch counts its own epochs; tuned_workers: the tuner sets num_workers from what it
+        measures, so no advice is given on the count."""
+        if cfg is self._checked and tuned_workers is self._checked_tuned:
             if epoch >= 2 and cfg.persistent_workers is False and cfg.num_workers:
                 self._warn("not-persistent", "persistent_workers=False restarts %d workers "
                            "at every epoch, stalling its first batch; set "
                            "persistent_workers=True", cfg.num_workers)
             return  # the rest was checked for this config already
-        self._checked, self._checked_tuned = cfg, self.tuned_workers
+        self._checked, self._checked_tuned = cfg, tuned_workers
         if not self._config_line.seen("config") and not log.isEnabledFor(logging.INFO):
             self._config_line.problem("config", "")  # said, at a level nobody logs
         if not self._config_line.seen("config"):
@@ -189,7 +190,7 @@ class Preflight:
         if said("no-workers") and said("too-many-workers") and said("not-persistent"):
             return
         cpu, ranks = self._cpu(), self._local_ranks()
-        if self.tuned_workers:
+        if tuned_workers:
             pass
         elif cfg.num_workers == 0 and not said("no-workers"):
             self._warn("no-workers", "num_workers=0 loads every batch in the training "
@@ -205,7 +206,7 @@ class Preflight:
                        cfg.num_workers, ranks, "" if ranks == 1 else "s", cpu.describe(),
                        advisor.worker_cap(cpu, ranks, self._cuda()))
         if epoch >= 2 and cfg.num_workers and cfg.persistent_workers is False:
-            self.on_iter(cfg, epoch)  # the not-persistent advice
+            self.on_iter(cfg, epoch, tuned_workers)  # the not-persistent advice
 
     def on_cuda_transfer(self, cfg: LoaderConfig) -> None:
         if cfg.pin_memory is False:

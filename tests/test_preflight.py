@@ -53,6 +53,21 @@ def test_num_workers_zero_warns_once(registry: CollectorRegistry,
     assert len(warnings_of(caplog)) == 1
 
 
+def test_loaders_built_again_under_one_name_are_advised_once(
+        registry: CollectorRegistry, caplog: pytest.LogCaptureFixture) -> None:
+    """A sweep or an evaluation loop that builds a loader per trial is told once per name,
+    not once per loader; a loader of another name gets its own word."""
+    caplog.set_level(logging.INFO, logger="dataloader_exporter.instrument")
+    for name in ("eval", "eval", "eval", "other"):
+        run(instrument.DataLoader(SleepDataset(4), batch_size=2, name=name, registry=registry))
+    said = [r.getMessage() for r in caplog.records]
+    for name in ("eval", "other"):
+        assert sum(f"dataloader {name!r}: num_workers=0 loads" in m for m in said) == 1
+        assert sum(f"dataloader {name!r}: num_workers=0 prefetch_factor" in m
+                   for m in said) == 1
+    assert len(warnings_of(caplog)) == 2
+
+
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_more_workers_than_usable_cores_warns(registry: CollectorRegistry,
                                               caplog: pytest.LogCaptureFixture) -> None:
