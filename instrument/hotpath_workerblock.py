@@ -139,8 +139,12 @@ class TimedCollate:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"collate_fn": self.collate_fn, "block": self.block, "batched": self.batched,
-                "verify": self.verify, "on_miscount": None, "native": self.native,
-                "_base": 0, "_row": None, "_fd": FD_UNOPENED}
+                "verify": self.verify, "on_miscount": None, "_base": 0, "_row": None,
+                "_fd": FD_UNOPENED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.native = NATIVE  # the build of the process that unpickles it (a spawned worker)
 
     def __call__(self, data: Any) -> Any:
         out = self.collate_fn(data)

@@ -5,6 +5,7 @@ an install here runs."""
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -279,3 +280,18 @@ def test_a_workers_beat_writes_its_row_the_same_in_both_builds() -> None:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def test_a_pickled_collate_takes_the_build_of_the_process_that_unpickles_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spawned worker unpickles the loader's TimedCollate: it binds its row the way its
+    own build can (the C build by the row's address, found again there; the Python build
+    by a numpy view), whatever the trainer's build was."""
+    from dataloader_exporter.instrument import hotpath_workerblock as wb
+
+    sent = pickle.dumps(wb.TimedCollate(list, wb.new_block(2), True))
+    for native in (True, False):
+        monkeypatch.setattr(wb, "NATIVE", native)
+        got = pickle.loads(sent)
+        assert (got.native, got._base, got._row, got._fd) == (native, 0, None, wb.FD_UNOPENED)
+        assert got([1, 2]) == [1, 2]  # in no worker: no row, the user's collate_fn's batch
