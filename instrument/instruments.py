@@ -79,6 +79,8 @@ class Instruments:
         self._urgent_once: set[str] = set()  # causes whose first failure was waited for
         # Workers a loader started outside __iter__ (prestart): their iterator and block.
         self.started: tuple[weakref.ref[Any], torch.Tensor] | None = None
+        # The last iter()'s plan, while nothing needs planning again (iter_start._Kept).
+        self.kept: Any = None
         directory = metrics_dir or os.environ.get(ENV_DIR) or None
         if directory:
             self.hub.write_snapshots(directory)
@@ -276,9 +278,13 @@ class Instruments:
         except Exception:  # advice must never stop training
             log.debug("preflight failed", exc_info=True)
         try:
-            rec.batch_bytes = batch_nbytes(batch)
-            if self.config.num_workers:  # no workers, no /dev/shm in their way
+            # Sampled here while unknown, and for the /dev/shm check, which only workers
+            # need; else every hotpath_iterator.BYTES_EVERY batches, across epochs.
+            if self.config.num_workers:
+                rec.batch_bytes = batch_nbytes(batch)
                 self.preflight.on_first_batch(self.config, rec.batch_bytes)
+            elif rec.batch_bytes <= 0:
+                rec.batch_bytes = batch_nbytes(batch)
         except Exception as e:
             reraise_torch_worker_error(e)
             log.debug("first-batch preflight failed", exc_info=True)

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from .hotpath_batch import batch_len, collated_len, item_len
 from .hotpath_iterator import Counter, CpuTimedIterator, FullBatches, QuietIterator, TimedIterator
 from .hotpath_workerblock import TimedCollate, new_block
 from .instruments import Instruments
+from .preflight import process_shm_size
 from .torch_originals import TORCH_ITER, lazy
 
 log = logging.getLogger("dataloader_exporter.instrument")
@@ -103,6 +105,50 @@ class _Plan:
         self.workers = workers
 
 
+# Loader classes whose settings are plain instance attributes: torch's DataLoader (and
+# instrument.DataLoader, added where it is defined). Only theirs take the kept plan below.
+PLAIN_LOADERS: set[type] = {torch.utils.data.DataLoader}
+
+
+def _settings_key(loader: Any) -> tuple[Any, ...]:
+    """What a loader's plan without workers is made of, beside what torch's DataLoader does
+    not let change after __init__ (dataset, sampler, batch_sampler, batch_size,
+    persistent_workers): the same values again mean the same plan."""
+    d = loader.__dict__
+    batches = d.get("batch_sampler")
+    return (d.get("num_workers"), d.get("prefetch_factor"), d.get("pin_memory"),
+            d.get("collate_fn"), d.get("in_order"), batches,
+            getattr(batches, "batch_size", None), getattr(batches, "sampler", None))
+
+
+class _Kept:
+    """A plan without workers kept from the last iter() (Instruments.kept): the same settings
+    (_settings_key) and /dev/shm size take it as it is, without planning again."""
+
+    __slots__ = ("count", "key", "labels", "shm", "sized")
+
+    def __init__(self, key: tuple[Any, ...], count: Counter, sized: FullBatches | None,
+                 labels: dict[str, str], shm: str) -> None:
+        self.key, self.count, self.sized, self.labels, self.shm = key, count, sized, labels, shm
+
+
+def _kept_iter(loader: Any, instruments: Instruments, kept: _Kept, start: int) -> Any:
+    """iter() of a plain loader without workers or tuner whose plan is kept: what
+    instrumented_iter would do with it, less the planning."""
+    rec = instruments.rec
+    rec.iters += 1
+    workers = rec.workers
+    workers.loop.tid = threading.get_native_id()
+    if getattr(workers.report, "__self__", None) is not instruments:
+        workers.report = instruments.failed  # a loader sharing the name had it
+    rec.config = kept.labels
+    workers.blind = False
+    if workers.active is None:
+        workers.active = 0
+    return TimedIterator(TORCH_ITER(loader), instruments, start, 0, kept.count, kept.sized,
+                         False)
+
+
 def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callable[[Any], Any],
                       quiet: bool = False) -> Any:
     """iter(loader) through its own __iter__ (`torch_iter`: torch's, or a subclass's),
@@ -117,6 +163,12 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     returned as it is, and measured where torch's runs (zerocode_hooks.py).
     """
     start = perf_counter_ns()
+    kept = instruments.kept
+    if (kept is not None and torch_iter is TORCH_ITER and not quiet
+            and instruments.tuning is None and type(loader) in PLAIN_LOADERS
+            and kept.key == _settings_key(loader) and kept.shm == process_shm_size()):
+        return _kept_iter(loader, instruments, kept, start)
+    instruments.kept = None
     seed = None if quiet else instruments.at_iter(loader)
     undo = instruments.tuning.undo if instruments.tuning is not None else None
     torch_iter_as_is = torch_iter
@@ -153,6 +205,12 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     sized = (fixed_size(loader) if plan.count is collated_len and torch_iter_as_is is TORCH_ITER
              and undo is None and not tuning_now else None)
     timed = kind(it, instruments, start, gen, plan.count, sized, tuning_now)
+    if (not plan.workers and plan.collate is None and tuning is None and seed is None
+            and torch_iter_as_is is TORCH_ITER and type(loader) in PLAIN_LOADERS
+            and instruments._labels is not None):
+        config, shm, labels = instruments._labels
+        if config is instruments.config:
+            instruments.kept = _Kept(_settings_key(loader), plan.count, sized, labels, shm)
     if undo is not None:  # its first batch may fail in the workers: the same epoch without
         timed._retry = _retry(loader, instruments, undo, torch_iter)
     if tuning is not None and not tuning.tuner.stable:

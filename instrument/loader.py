@@ -22,7 +22,7 @@ import torch.utils.data
 
 from dataloader_exporter.core.settings import log_name
 
-from . import envsettings, zerocode_hooks, zerocode_registry
+from . import envsettings, iter_start, zerocode_hooks, zerocode_registry
 from .hotpath_batch import loader_len, move
 from .hotpath_iterator import TimedIterator
 from .instruments import Instruments
@@ -99,6 +99,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         state = copy.deepcopy(self.__getstate__(), memo)
         new.__setstate__(state | {"registry": self.registry})
         return new
+
+
+iter_start.PLAIN_LOADERS.add(DataLoader)
 
 
 class WrappedLoader:

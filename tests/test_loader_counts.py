@@ -151,6 +151,49 @@ def test_settings_changed_between_epochs_are_counted_and_labelled_anew(
                  gpu_uuid="", dev_shm_bytes=shm) == 1
 
 
+def _own_collate(samples: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+    return torch.utils.data.default_collate(samples)
+
+
+def test_a_plan_kept_across_epochs_is_made_again_when_a_setting_changes(
+        registry: CollectorRegistry) -> None:
+    """An iter() without workers whose settings did not change takes the last one's plan;
+    each change below plans again, and every epoch is counted and labelled as it ran,
+    side by side with torch's own loader."""
+    data = _data(30)
+    bare = torch.utils.data.DataLoader(data, batch_size=4)
+    ours = instrument.DataLoader(data, batch_size=4, name="t", registry=registry)
+    changes = [
+        lambda dl: None, lambda dl: None,  # the same settings: the kept plan
+        lambda dl: setattr(dl.batch_sampler, "batch_size", 7),
+        lambda dl: setattr(dl, "collate_fn", _own_collate),  # counted and checked
+        lambda dl: setattr(dl, "collate_fn", torch.utils.data.default_collate),
+        lambda dl: setattr(dl, "prefetch_factor", 2),  # not used without workers
+        lambda dl: setattr(dl, "num_workers", 1),
+        lambda dl: setattr(dl, "num_workers", 0),
+        lambda dl: setattr(dl, "in_order", False)]
+    kept = []
+    samples = batches = 0
+    for change in changes:
+        change(bare)
+        change(ours)
+        got, want = list(ours), list(bare)
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert type(a) is type(b) and all(map(torch.equal, a, b))
+        batches += len(want)
+        samples += sum(len(b[1]) for b in want)
+        kept.append(ours._instruments.kept is not None)
+        assert _samples(registry) == samples
+        assert value(registry, cat.BATCHES.name, **L) == batches
+        prefetch = ours.prefetch_factor
+        assert value(registry, cat.INFO.name, **L, num_workers=str(ours.num_workers),
+                     batch_size="4", prefetch_factor="" if prefetch is None else str(prefetch),
+                     pin_memory="false", persistent_workers="false", gpu_uuid="",
+                     dev_shm_bytes=process_shm_size()) == 1
+    assert kept == [True, True, True, False, True, True, False, True, True]
+
+
 def test_samples_are_exact_with_two_workers(registry: CollectorRegistry) -> None:
     loader = instrument.DataLoader(_data(37), batch_size=4, num_workers=2, name="t",
                                    registry=registry)
