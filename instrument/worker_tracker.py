@@ -98,7 +98,6 @@ class _Totals:
 
 class _Gone(weakref.ref):
     """A weak reference to a generation's iterator that names the generation (key)."""
-
     __slots__ = ("key",)
     key: int
 
@@ -167,10 +166,8 @@ class WorkerTracker:
             # The count before these workers can be killed (read by prepare() if it ran).
             reading = self._prepared[0] if self._prepared else oom_watch().read()
             self._prepared = None
-            for pid in self._live[key].pids:
-                self._seen[pid] = reading
-        # No lock in the callback: it only queues (see the module docstring).
-        gen.ref = _Gone(iterator, self._collected.append)
+            self._seen.update(dict.fromkeys(gen.pids, reading))
+        gen.ref = _Gone(iterator, self._collected.append)  # no lock: see the docstring
         gen.ref.key = key
         return key
 
@@ -215,8 +212,7 @@ class WorkerTracker:
         unexpectedly"), lost whatever their exit code. force: read now, whatever the
         interval (the tuner's samples at an epoch's first batch and end)."""
         with self._lock:
-            if force:
-                self._next = 0.0
+            self._next = 0.0 if force else self._next
             self._refresh(now, on_error, exits, batches, named or {})
             for pid, signo in (named or {}).items():  # workers we could not see
                 if pid not in self._done:
