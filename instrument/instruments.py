@@ -203,19 +203,27 @@ class Instruments:
             self.config = LoaderConfig.from_inputs(inputs)
             self._inputs = inputs
         rec = self.rec
-        if not again:
-            rec.iters += 1
-        workers = rec.workers
-        if getattr(workers.report, "__self__", None) is not self:
-            workers.report = self.failed  # failures are said with this loader's settings
         shm = process_shm_size()  # the trainer's own, which a doctor elsewhere cannot see
         made = self._labels
         if made is None or made[0] is not self.config or made[1] != shm:
             made = self._labels = (self.config, shm, {
                 "loader": self.name, "rank": rec.rank, **self.config.labels(),
                 "dev_shm_bytes": shm})
-        rec.config = made[2]  # read-only to its readers (loader_collector.py)
-        if self.config.num_workers == 0:
+        self.mark_epoch(made[2], self.config.num_workers == 0, again)
+
+    def mark_epoch(self, labels: dict[str, str], no_workers: bool, again: bool = False) -> None:
+        """At iter(), on the recorder it may share with loaders of its name: one iteration
+        more (unless again), this loader's labels (read-only to their readers,
+        loader_collector.py) and failure report, and no workers to wait for if it has
+        none."""
+        rec = self.rec
+        if not again:
+            rec.iters += 1
+        workers = rec.workers
+        if getattr(workers.report, "__self__", None) is not self:
+            workers.report = self.failed  # failures are said with this loader's settings
+        rec.config = labels
+        if no_workers:
             workers.blind = False
             if workers.active is None:
                 workers.active = 0

@@ -135,16 +135,8 @@ class _Kept:
 def _kept_iter(loader: Any, instruments: Instruments, kept: _Kept, start: int) -> Any:
     """iter() of a plain loader without workers or tuner whose plan is kept: what
     instrumented_iter would do with it, less the planning."""
-    rec = instruments.rec
-    rec.iters += 1
-    workers = rec.workers
-    workers.loop.tid = threading.get_native_id()
-    if getattr(workers.report, "__self__", None) is not instruments:
-        workers.report = instruments.failed  # a loader sharing the name had it
-    rec.config = kept.labels
-    workers.blind = False
-    if workers.active is None:
-        workers.active = 0
+    instruments.rec.workers.loop.tid = threading.get_native_id()
+    instruments.mark_epoch(kept.labels, True)
     return TimedIterator(TORCH_ITER(loader), instruments, start, 0, kept.count, kept.sized,
                          False)
 
