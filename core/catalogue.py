@@ -189,8 +189,9 @@ WORKER_TIME = _m(
     "dataloader_worker_time_seconds_total", COUNTER,
     "Wall time of the loader's worker processes while the loader hands out batches, "
     "summed over workers, by state: running on a CPU, waiting for a CPU (runnable, in the "
-    "run queue), or blocked (the rest: storage, the network, a lock, a full queue or "
-    "sleep).",
+    "run queue; on a virtual machine, also the time the hypervisor held its CPU, estimated "
+    "from the machine's steal), or blocked (the rest: storage, the network, a lock, a full "
+    "queue or sleep).",
     "seconds", (*LOADER_LABELS, "state"), TRAINER)
 READ_SOURCES: tuple[str, ...] = ("storage", "syscalls")
 WORKER_READ = _m(

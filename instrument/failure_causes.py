@@ -20,7 +20,8 @@ loop gets; a worker that fails without dying leaves only the exception. The caus
   process N", or any exception with no workers. torch's own errors (a timeout, its
   internals after a worker vanished) are not the dataset's: no cause.
 
-Each cause gets one log line per loader with what to change (fix()).
+Each cause gets one log line per loader with what to change (fix()). Whether a worker is
+still alive at all is Liveness's to say.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dataloader_exporter.core.facts.cgroup import OomKills
 from dataloader_exporter.core.facts.shm import SHM_PATH, ShmSpace, shm_space
 
 from .preflight import LoaderConfig, shm_needed
+from .procstat import PROC, stat_fields
 from .rank import human_bytes
 
 OOM, KILLED, CRASH, SHM, ERROR = "oom", "killed", "crash", "shm", "error"
@@ -239,3 +241,42 @@ def fix(cause: str, seen: str, cfg: LoaderConfig, batch_bytes: int, local_ranks:
         return (f"a worker crashed ({seen}): native code in the dataset or a library it "
                 "calls (decoding, augmentation) failed; run with num_workers=0 to see where")
     return f"the dataset or collate_fn raised {seen}"
+
+
+class Liveness:
+    """Whether processes first seen alive are still running: the same process (its start
+    time in /proc/<pid>/stat, so a reused pid is not it) and not a zombie, as
+    psutil.Process(pid).is_running() and status() tell it; psutil (imported only here,
+    and only where there is no /proc) elsewhere."""
+
+    def __init__(self, proc: str = PROC) -> None:
+        self._proc = proc
+        self._starts: dict[int, bytes] = {}
+        self._psutil: dict[int, Any] | None = None if os.path.isdir(f"{proc}/self") else {}
+
+    def _state(self, pid: int) -> tuple[bytes, bytes] | None:
+        f = stat_fields(f"{self._proc}/{pid}")
+        return (f[0], f[19]) if f is not None and len(f) > 19 else None
+
+    def alive(self, pid: int) -> bool:
+        if self._psutil is not None:
+            return self._alive_psutil(pid)
+        now = self._state(pid)
+        if now is None or now[0] in (b"Z", b"X", b"x"):
+            return False
+        return self._starts.setdefault(pid, now[1]) == now[1]
+
+    def _alive_psutil(self, pid: int) -> bool:
+        import psutil
+
+        assert self._psutil is not None
+        try:
+            proc = self._psutil.get(pid) or self._psutil.setdefault(pid, psutil.Process(pid))
+            return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return False
+
+    def forget(self, pid: int) -> None:
+        self._starts.pop(pid, None)
+        if self._psutil is not None:
+            self._psutil.pop(pid, None)

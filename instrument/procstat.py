@@ -11,6 +11,8 @@ Time, all cumulative since the process started:
 - waiting for a CPU: runnable but in the run queue (the second field of each thread's
   /proc/<pid>/task/<tid>/schedstat), which needs no delay accounting;
 - wall: since the process started (its start time in /proc/<pid>/stat).
+On a virtual machine, the time the hypervisor took the CPUs from a running worker (steal,
+estimated from the machine's: core/facts/cores.py) is moved from blocked to waiting.
 What is neither running nor waiting is blocked: storage, the network, a lock, a full
 queue, sleep. Nothing here claims I/O that was not seen; bytes read (io) and major page
 faults say what blocking may have been. A worker whose threads run at once can run more
@@ -23,7 +25,8 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from dataloader_exporter.core.facts.cores import machine_ticks, stolen_per_run
 
 PROC = "/proc"
 ROOM_EVERY = 0.9  # seconds between two readings of the memory room
@@ -53,7 +56,11 @@ class ProcSample:
         return max(0, self.wall_ns - self.running_ns - self.waiting_ns)
 
 
-def _stat_fields(base: str) -> list[bytes] | None:
+def _gain(new: int | None, was: int | None) -> int | None:
+    return None if new is None or was is None else max(0, new - was)
+
+
+def stat_fields(base: str) -> list[bytes] | None:
     """The fields of <base>/stat after the command name (which may hold spaces and
     parentheses), from the state (field 3) on; None when it cannot be read."""
     stat = _read(f"{base}/stat")
@@ -102,49 +109,10 @@ def _waiting_ns(base: str) -> int | None:
     return total if seen else None
 
 
-class Liveness:
-    """Whether processes first seen alive are still running: the same process (its start
-    time in /proc/<pid>/stat, so a reused pid is not it) and not a zombie, as
-    psutil.Process(pid).is_running() and status() tell it; psutil (imported only here,
-    and only where there is no /proc) elsewhere."""
-
-    def __init__(self, proc: str = PROC) -> None:
-        self._proc = proc
-        self._starts: dict[int, bytes] = {}
-        self._psutil: dict[int, Any] | None = None if os.path.isdir(f"{proc}/self") else {}
-
-    def _state(self, pid: int) -> tuple[bytes, bytes] | None:
-        f = _stat_fields(f"{self._proc}/{pid}")
-        return (f[0], f[19]) if f is not None and len(f) > 19 else None
-
-    def alive(self, pid: int) -> bool:
-        if self._psutil is not None:
-            return self._alive_psutil(pid)
-        now = self._state(pid)
-        if now is None or now[0] in (b"Z", b"X", b"x"):
-            return False
-        return self._starts.setdefault(pid, now[1]) == now[1]
-
-    def _alive_psutil(self, pid: int) -> bool:
-        import psutil
-
-        assert self._psutil is not None
-        try:
-            proc = self._psutil.get(pid) or self._psutil.setdefault(pid, psutil.Process(pid))
-            return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
-        except psutil.Error:
-            return False
-
-    def forget(self, pid: int) -> None:
-        self._starts.pop(pid, None)
-        if self._psutil is not None:
-            self._psutil.pop(pid, None)
-
-
 def sample(pid: int, proc: str = PROC) -> ProcSample | None:
     """The figures of a live process; None when it is gone or /proc cannot be read."""
     base = f"{proc}/{pid}"
-    f = _stat_fields(base)
+    f = stat_fields(base)
     if f is None:
         return None
     try:
@@ -259,6 +227,8 @@ class ProcAccount:
         self._room_next = 0.0
         self._pss = PssReader(proc)
         self._pss_now: dict[int, int] = {}
+        self._ticks: tuple[int, int] | None = None  # the machine's, at the last samples
+        self._stolen: float | None = None  # steal per running ns, the latest known
 
     def observe(self, pids: list[int], now: float, active: bool,
                 room: Callable[[], int | None] | None = None) -> None:
@@ -270,6 +240,12 @@ class ProcAccount:
             now_room = room()
             if now_room is not None:
                 self._room = now_room if self._room is None else min(self._room, now_room)
+        stolen = None
+        if pids:
+            ticks = machine_ticks(f"{self.proc}/stat")
+            stolen = stolen_per_run(self._ticks, ticks)
+            self._ticks = ticks
+            self._stolen = self._stolen if stolen is None else stolen
         for pid in pids:
             got = sample(pid, self.proc)
             old = self.live.pop(pid, None)
@@ -282,9 +258,20 @@ class ProcAccount:
                     new, was, total = getattr(got, name), getattr(old, name), self._sums[name]
                     self._sums[name] = (None if new is None or was is None or total is None
                                         else total + max(0, new - was))
+                if stolen:
+                    self._steal(got.running_ns - old.running_ns,
+                                _gain(got.blocked_ns, old.blocked_ns), stolen)
             self.live[pid] = got
             self._peak_rss = max(self._peak_rss, got.rss_bytes)
         self._pss_now = self._pss.read(sorted(self.live), now)
+
+    def _steal(self, running: int, blocked: int | None, stolen: float) -> None:
+        """Moves the steal estimated for `running` ns from the blocked sum to waiting."""
+        wait, block = self._sums["waiting_ns"], self._sums["blocked_ns"]
+        if blocked is None or wait is None or block is None:
+            return
+        moved = min(blocked, int(max(0, running) * stolen))
+        self._sums["waiting_ns"], self._sums["blocked_ns"] = wait + moved, block - moved
 
     def end(self, pid: int) -> None:
         """A worker ended."""
@@ -294,14 +281,17 @@ class ProcAccount:
     def unsampled(self, own: list[tuple[int, int, int, int]]) -> None:
         """An ended pool's workers that no interval counted: their time from their first
         batch to their last, as each measured it (pid, CPU ns, its thread's run-queue
-        wait ns, wall ns; hotpath_workerblock.py): running, waiting, and the rest blocked.
+        wait ns, wall ns; hotpath_workerblock.py): running, waiting (with the latest steal
+        estimate), and the rest blocked.
         Reads and faults are not known for it."""
         for pid, cpu, wait, wall in own:
             if pid in self._counted or wall <= 0 or wait < 0 or cpu < 0:
                 continue
             self._own += 1
-            for name, v in (("running_ns", cpu), ("waiting_ns", wait),
-                            ("blocked_ns", max(0, wall - cpu - wait))):
+            blocked = max(0, wall - cpu - wait)
+            moved = min(blocked, int(cpu * (self._stolen or 0.0)))
+            for name, v in (("running_ns", cpu), ("waiting_ns", wait + moved),
+                            ("blocked_ns", blocked - moved)):
                 total = self._sums[name]
                 self._sums[name] = None if total is None else total + v
 

@@ -6,7 +6,8 @@ from the same counters at the next iter() (or, in a long epoch, while it runs):
 - samples (or batches) per second over the wall time from iter() to the last batch
   handed out, so a worker pool's start (and its rebuild) counts; the input stall from
   the first batch on (the wait for the first batch, a pool's start, is its own figure);
-- the workers' running / waiting-for-a-CPU / blocked shares (procstat.py) over the epoch;
+- the workers' running / waiting-for-a-CPU / blocked shares (procstat.py) over the epoch,
+  a virtual machine's steal counted as waiting (core/facts/cores.py);
 - the memory one worker takes (PSS, else its largest RSS; with no worker yet, the main
   process's RSS, which a forked worker can at most take), and a batch's bytes;
 - the fetch waits' burstiness (95th percentile over the median, from the histogram);
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from dataloader_exporter.core.facts.cores import machine_ticks, stolen_per_run
 from dataloader_exporter.core.settings import log_name
 from dataloader_exporter.core.tuner_model import Load
 from dataloader_exporter.core.tuner_types import Epoch, Setting
@@ -60,6 +62,7 @@ class Mark:
     iters: int  # iter()s of every loader of this name so far
     cpu_ns: int = 0  # the training process's CPU time (all its threads)
     loop_sched: tuple[int, int] | None = None  # the loop thread's running, run-queue ns
+    ticks: tuple[int, int] | None = None  # the machine's busy and stolen CPU ticks
     step_counts: np.ndarray | None = None  # the step histogram's bucket counts
     own_iters: int = 1  # this loader's own iter()s to come in its window (0: mid-epoch)
     first_ns: int = 0  # rec.first_total_ns
@@ -80,7 +83,7 @@ def take_mark(rec: LoaderRecorder, loader: Any, flush: bool = True,
     return Mark(setting, perf_counter_ns(), rec.batches, rec.samples, step_s,
                 counts, _times(rec.workers.proc_figures()), rec.iters, cpu_ns=process_time_ns(),
                 fetch_cpu=(rec.fetch_cpu_ns, rec.fetch_cpu_n),
-                loop_sched=loop_sched(rec.loop_tid), step_counts=steps,
+                loop_sched=loop_sched(rec.loop_tid), ticks=machine_ticks(), step_counts=steps,
                 own_iters=0 if mid else 1, first_ns=rec.first_total_ns)
 
 
@@ -145,13 +148,17 @@ def _load(rec: LoaderRecorder, mark: Mark, batches: int, wall: float, step_s: fl
             return None
         fetch_s = max(1e-9, (wall - step_s) / batches)
         fetch_cpu = min(fetch_s, fetch_cpu_ns / 1e9 / fetch_n)
-        # Time the loop thread waited for a CPU is neither work nor blocking: the fetch's
-        # share of it (in proportion to its CPU time) is not time a batch takes to make.
+        # Time the loop thread waited for a CPU (in the run queue, or on a CPU the
+        # hypervisor took: core/facts/cores.py) is neither work nor blocking: the fetch's share of
+        # it (in proportion to its CPU time) is not time a batch takes to make.
         now, before = loop_sched(rec.loop_tid), mark.loop_sched
         if now is not None and before is not None:
             ran, queued = now[0] - before[0], now[1] - before[1]
             if ran > 0 and queued >= 0:
                 fetch_s = max(fetch_cpu, fetch_s - fetch_cpu * queued / ran)
+        stolen = stolen_per_run(mark.ticks, machine_ticks())
+        if stolen:
+            fetch_s = max(fetch_cpu, fetch_s - fetch_cpu * stolen)
         return Load(fetch_s, fetch_cpu, loop_s, max(0.0, cpu_s / batches - fetch_cpu))
     if spent is None:
         return None

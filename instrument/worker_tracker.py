@@ -14,9 +14,8 @@ A worker that exits 0 has finished on purpose (an IterableDataset shard ran out,
 shut it down). A worker that failed gets its cause when its exit says it
 (failure_causes.py); one whose exit cannot be read is lost with no cause claimed.
 
-Each refresh also reads /proc for every live worker (procstat.py): where its time goes
-and its memory, and the memory its process may still allocate
-(process_memory_available).
+Each refresh also reads /proc for every live worker (procstat.py): where its time goes,
+its memory, and the memory its process may still allocate (process_memory_available).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from dataloader_exporter.core.facts.memory import host_memory
 from .failure_causes import (
     CRASH,
     Exit,
+    Liveness,
     cause_of_exit,
     exit_of,
     is_torch_worker_error,
@@ -45,7 +45,7 @@ from .failure_causes import (
     signal_name,
 )
 from .hotpath_workerblock import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED, own_figures
-from .procstat import Figures, Liveness, LoopAccount, ProcAccount
+from .procstat import Figures, LoopAccount, ProcAccount
 
 
 def process_memory_available() -> int | None:

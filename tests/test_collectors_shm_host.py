@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -227,3 +228,35 @@ def test_the_cores_and_memory_facts_read_what_psutil_reads_on_this_machine(tmp_p
     old.write_text("MemTotal:  1000 kB\nMemFree:  100 kB\nBuffers:  20 kB\nCached:  30 kB\n")
     assert host_memory(str(old)) == (1024000, 150 * 1024)
     assert physical_cores(str(tmp_path)) == os.cpu_count()  # no topology: logical CPUs
+
+
+def test_the_machines_steal_is_read_as_psutil_reads_it_and_turned_into_time_lost_per_run(
+        tmp_path: Path) -> None:
+    """/proc/stat's busy and stolen ticks, as psutil.cpu_times() reads them here; the time
+    a process loses to steal per ns it runs is s / (1 - s) for a stolen share s of the
+    CPUs' busy time, bounded, and unknown without two readings or any work between."""
+    import psutil
+
+    from dataloader_exporter.core.facts.cores import MAX_STOLEN, machine_ticks, stolen_per_run
+
+    tick = os.sysconf("SC_CLK_TCK")
+    before = psutil.cpu_times()
+    ticks = machine_ticks()
+    after = psutil.cpu_times()
+    assert ticks is not None
+    assert before.steal * tick - 1 <= ticks[1] <= after.steal * tick + 1
+    def busy(t: Any) -> float:
+        return float(t.user + t.nice + t.system + t.irq + t.softirq) * tick
+
+    assert busy(before) - 1 <= ticks[0] <= busy(after) + 1
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  600 0 300 5000 10 50 50 1000 0 0\ncpu0 600 0 300 5000 10 50 50 1000\n")
+    assert machine_ticks(str(stat)) == (1000, 1000)
+    assert stolen_per_run((0, 0), (1000, 1000)) == 1.0  # half lost: as long again
+    assert stolen_per_run((0, 0), (1000, 0)) == 0.0  # bare metal: steal stays 0
+    assert stolen_per_run((0, 0), (0, 5000)) == MAX_STOLEN / (1 - MAX_STOLEN)
+    assert stolen_per_run(None, (1000, 0)) is None
+    assert stolen_per_run((1000, 0), (1000, 0)) is None  # no work in between
+    stat.write_text("intr 1 2 3\n")
+    assert machine_ticks(str(stat)) is None
+    assert machine_ticks(str(tmp_path / "none")) is None

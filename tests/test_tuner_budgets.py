@@ -205,7 +205,7 @@ def test_each_torchrun_rank_stays_within_its_share_of_the_cores_and_reports_its_
     for rank, seen in enumerate(ranks):
         assert seen.truth["rank"] == rank
         assert all(e["budget"]["cores"] == share for e in seen.truth["epochs"])
-        assert seen.workers[0] == 0 and max(seen.workers) <= share, (rank, seen.workers)
+        assert seen.workers[0] == 0 and max(seen.workers) <= share, (rank, seen.truth["log"])
         assert seen.changes and all(new <= share for _, new in seen.changes), seen.truth["log"]
         # Its changes are counted under its own rank, as many as it logged.
         counted = seen.metric(cat.TUNER_CHANGES.name, setting="num_workers")

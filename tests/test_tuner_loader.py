@@ -5,6 +5,7 @@ One module, though long: every case is that comparison, through the same epoch h
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing
 import re
@@ -21,7 +22,13 @@ from support.torch_helpers import BurnDataset, RangeIterable, SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import advisor, tuner_judge, tuner_model
-from dataloader_exporter.instrument import compat, tuner_loop, tuner_order, tuner_window
+from dataloader_exporter.instrument import (
+    compat,
+    tuner_epoch,
+    tuner_loop,
+    tuner_order,
+    tuner_window,
+)
 from dataloader_exporter.instrument.rank import local_world_size
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
@@ -723,3 +730,34 @@ def test_a_settled_loader_is_watched_mid_epoch_and_tuned_again_when_storage_slow
     bare = iter(build(torch.utils.data.DataLoader))
     expected = [j for _ in range(len(seen) // 4) for j in next(bare)[1].tolist()]
     assert seen == expected
+
+
+def test_without_workers_the_time_the_hypervisor_took_is_not_read_as_blocking(
+        registry: CollectorRegistry, tuner_log: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples that burn 2 ms of CPU and sleep 2 ms: without workers the tuner's model sees
+    a batch half on a CPU. Where the machine's CPUs lose half their busy time to steal
+    (/proc/stat, scripted here), the loop thread lost as much time as it ran to the
+    hypervisor: the sleep's time is taken for that, and the batch reads as all CPU."""
+    data = BurnDataset(N, cpu=0.002)
+    data.delay = 0.002
+    share = re.compile(r"dataloader '(\w+)': num_workers 0 -> \d+: a batch takes [\d.]+ ms "
+                       r"to make \((\d+)% of it on a CPU\)")
+
+    def first_share(name: str) -> int:
+        loader = instrument.DataLoader(data, batch_size=BATCH, name=name, registry=registry,
+                                       tune=("num_workers",))
+        epochs(loader, 2)  # the second iter() judges the first epoch
+        found = {m[1]: int(m[2]) for m in share.finditer(tuner_log.text)}
+        assert name in found, tuner_log.text
+        return found[name]
+
+    assert 30 <= first_share("bare") <= 70
+    ticks = itertools.count(1)
+
+    def stolen_half() -> tuple[int, int]:
+        n = next(ticks) * 1000
+        return n, n  # busy and stolen ticks rise alike
+
+    monkeypatch.setattr(tuner_epoch, "machine_ticks", stolen_half)
+    assert first_share("stolen") >= 85

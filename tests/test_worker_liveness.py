@@ -257,7 +257,7 @@ def test_liveness_tells_a_reused_pid_and_a_zombie_from_the_worker_first_seen(tmp
                                                                            ) -> None:
     """/proc/<pid>/stat as the kernel writes it (a command name with spaces and ')'),
     read as psutil's is_running() and status() would: the same start time, not a zombie."""
-    from dataloader_exporter.instrument.procstat import Liveness
+    from dataloader_exporter.instrument.failure_causes import Liveness
 
     def stat(state: str, start: int) -> None:
         (tmp_path / "7").mkdir(exist_ok=True)
@@ -288,3 +288,39 @@ def test_liveness_tells_a_reused_pid_and_a_zombie_from_the_worker_first_seen(tmp
     assert not real.alive(pid)  # a zombie until reaped, and not alive
     os.waitpid(pid, 0)
     assert not real.alive(pid)
+
+
+def test_a_workers_time_the_hypervisor_took_is_waiting_for_a_cpu_not_blocked(tmp_path: Path
+                                                                            ) -> None:
+    """A worker that ran 50 ms in an interval of 200 ms or more on its own, while the
+    machine's CPUs lost half their busy time to steal (/proc/stat), lost 50 ms more
+    waiting for a CPU, not blocked on storage; without steal nothing moves. The figures
+    are /proc as the kernel writes it, for one worker read twice by its loader's account."""
+    from dataloader_exporter.instrument.procstat import ProcAccount
+
+    def write(root: Path, utime: int, steal: int) -> None:
+        task = root / "7" / "task" / "7"
+        task.mkdir(parents=True, exist_ok=True)
+        fields = ["S", *["0"] * 10, str(utime), "0", *["0"] * 6, "1", "0", "100"]
+        (root / "7" / "stat").write_text(f"7 (pt_data_worker) {' '.join(fields)}\n")
+        (task / "schedstat").write_text("0 0 0\n")
+        (root / "stat").write_text(f"cpu  {1000 + steal} 0 0 9000 0 0 0 {steal} 0 0\n")
+
+    tick = os.sysconf("SC_CLK_TCK")
+    accounts = {}
+    for name in ("steal", "bare"):
+        root = tmp_path / name
+        write(root, 0, 0)
+        accounts[name] = ProcAccount(str(root))
+        accounts[name].observe([7], 0.0, active=True)
+    time.sleep(0.2)  # at least this long: the interval's wall time, the rest blocked
+    for name, steal in (("steal", 5 * tick), ("bare", 0)):
+        write(tmp_path / name, tick // 20, steal)  # 50 ms on a CPU, in clock ticks
+        accounts[name].observe([7], 1.0, active=True)
+    stolen, bare = (accounts[n].figures() for n in ("steal", "bare"))
+    assert stolen is not None and bare is not None
+    ran = tick // 20 * 1_000_000_000 // tick
+    assert stolen.running_ns == bare.running_ns == ran
+    assert bare.waiting_ns == 0 and bare.blocked_ns is not None and bare.blocked_ns >= 3 * ran
+    assert stolen.waiting_ns == ran  # busy and stolen ticks rose alike: half was stolen
+    assert stolen.blocked_ns is not None and stolen.blocked_ns >= 2 * ran

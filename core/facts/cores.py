@@ -1,4 +1,5 @@
-"""CPU cores: physical cores, the cores a cgroup CPU quota allows, and the affinity mask."""
+"""CPU cores: physical cores, the cores a cgroup CPU quota allows, the affinity mask, and the
+time a hypervisor took them (steal)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,45 @@ def cpu_affinity() -> int | None:
         return len(os.sched_getaffinity(0)) or None
     except (AttributeError, OSError):
         return None
+
+
+# Steal: on a virtual machine a thread can be on its (virtual) CPU and not run, the
+# hypervisor having given the physical core to another guest. The kernel counts that as
+# steal (the 8th figure of /proc/stat's "cpu" line), neither as the thread's CPU time nor
+# as its run-queue wait, so a CPU-bound process on a busy host looks blocked, as if it
+# waited on storage. Steal is known for the machine only: a process that ran R ns while
+# the CPUs lost a share s of their busy time to steal is taken to have lost R s / (1 - s)
+# more, waiting for a CPU.
+MAX_STOLEN = 0.9  # a stolen share past this is taken as this: the estimate's bound
+
+
+def machine_ticks(path: str = "/proc/stat") -> tuple[int, int] | None:
+    """The machine's busy and stolen CPU ticks since boot (user, nice, system, irq,
+    softirq; steal), all CPUs together; None when /proc/stat cannot be read. Steal
+    stays 0 outside a virtual machine."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline()
+    except OSError:
+        return None
+    parts = line.split()
+    if len(parts) < 9 or parts[0] != b"cpu":
+        return None
+    try:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, parts[1:9])
+    except ValueError:
+        return None
+    return user + nice + system + irq + softirq, steal
+
+
+def stolen_per_run(before: tuple[int, int] | None,
+                   now: tuple[int, int] | None) -> float | None:
+    """The ns a process lost to steal per ns it ran, between two machine_ticks(); None
+    when either is unknown or the CPUs did no work in between."""
+    if before is None or now is None:
+        return None
+    busy, steal = now[0] - before[0], now[1] - before[1]
+    if busy < 0 or steal < 0 or busy + steal <= 0:
+        return None
+    share = min(MAX_STOLEN, steal / (busy + steal))
+    return share / (1 - share)
