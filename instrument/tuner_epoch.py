@@ -22,6 +22,7 @@ name ran (their figures add up), is not judged.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from time import perf_counter_ns, process_time_ns
@@ -37,6 +38,8 @@ from dataloader_exporter.core.tuner_types import Epoch, Setting
 from .envsettings import once
 from .hotpath_recorder import LoaderRecorder
 from .procstat import Figures
+
+log = logging.getLogger("dataloader_exporter.instrument")
 
 MIN_BATCHES = 8  # an epoch with fewer batches says too little to judge
 BURST_FLOOR = 0.001  # seconds: a 95th-percentile wait below this is not a burst
@@ -126,12 +129,15 @@ def epoch_since(rec: LoaderRecorder, mark: Mark, name: str, flush: bool = True,
     # The stall from the first batch on: a pool's start is its own figure, and more
     # workers would not shorten it (the rate, samples over the whole wall, counts it).
     steady = max(1e-9, wall - (rec.first_total_ns - mark.first_ns) / 1e9)
-    return Epoch(mark.setting, done / wall, max(0.0, min(1.0, 1 - step_s / steady)),
-                 shares[0], shares[1], shares[2],
-                 _worker_bytes(fig, rec.workers.active or 0),
-                 rec.batch_bytes if rec.batch_bytes >= 0 else None,
-                 burstiness(counts, bounds), "samples" if known else "batches",
-                 _load(rec, mark, batches, wall, step_s, spent))
+    epoch = Epoch(mark.setting, done / wall, max(0.0, min(1.0, 1 - step_s / steady)),
+                  shares[0], shares[1], shares[2],
+                  _worker_bytes(fig, rec.workers.active or 0),
+                  rec.batch_bytes if rec.batch_bytes >= 0 else None,
+                  burstiness(counts, bounds), "samples" if known else "batches",
+                  _load(rec, mark, batches, wall, step_s, spent))
+    log.debug("dataloader %r: %d batches in %.2f s, to be judged: %s", log_name(name),
+              batches, wall, epoch)
+    return epoch
 
 
 def _load(rec: LoaderRecorder, mark: Mark, batches: int, wall: float, step_s: float,

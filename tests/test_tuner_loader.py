@@ -572,6 +572,7 @@ def test_a_long_epoch_of_a_stateful_loader_gets_its_queue_deepened_mid_epoch(
     sdl = require_module("torchdata.stateful_dataloader")
     monkeypatch.setattr(tuner_loop, "LONG_EPOCH", 0.2)
     monkeypatch.setenv("DATALOADER_EXPORTER_SETTINGS", "long-stateful.prefetch_factor=auto")
+    tuner_log.set_level(logging.DEBUG, logger="dataloader_exporter.instrument")  # figures
 
     def build() -> Any:
         return sdl.StatefulDataLoader(Bursty(480), batch_size=1, shuffle=True,
@@ -588,7 +589,7 @@ def test_a_long_epoch_of_a_stateful_loader_gets_its_queue_deepened_mid_epoch(
         time.sleep(0.003)  # a step: on average the worker keeps up, only its bursts do not
     assert same([got], [expected])
     # Deepened mid-epoch (and back if that trial did not pay, as it may not here).
-    assert prefetch[0] == 2 and 4 in prefetch, sorted(set(prefetch))
+    assert prefetch[0] == 2 and 4 in prefetch, (sorted(set(prefetch)), tuner_log.text)
     assert "dataloader 'long-stateful': prefetch_factor 2 -> 4: the loop waited" in \
         tuner_log.text
     assert "(mid-epoch: resumed from its state_dict())" in tuner_log.text
