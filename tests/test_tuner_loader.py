@@ -546,36 +546,41 @@ def test_an_iterable_dataset_with_persistent_workers_is_only_advised(
 
 
 class Bursty(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Instant samples, but every 16th waits 30 ms (a slow read): with a 3 ms step the
-    loop waits in bursts while the worker mostly sleeps."""
+    """Instant samples, but every 8th read in a process waits 60 ms (a slow read): with a
+    15 ms step the worker keeps up on average (60 ms and 7 quick reads in every 120 ms, with
+    room for their cost on a loaded machine) and the loop waits in bursts, an eighth of its
+    fetches, whatever the shuffle draws."""
 
     def __init__(self, n: int) -> None:
         self.n = n
+        self.reads = 0  # in each process (a forked worker counts its own)
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        if i % 16 == 15:
-            import time
-            time.sleep(0.03)
+        self.reads += 1
+        if self.reads % 8 == 0:
+            time.sleep(0.06)
         return torch.tensor([i])
 
 
 def test_a_long_epoch_of_a_stateful_loader_gets_its_queue_deepened_mid_epoch(
         registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch,
         tuner_log: pytest.LogCaptureFixture) -> None:
-    """One long epoch (LONG_EPOCH made short): torchdata's StatefulDataLoader resumes
+    """One long epoch (LONG_EPOCH made short; judged once it holds 48 batches, six bursts,
+    as a real long epoch holds thousands): torchdata's StatefulDataLoader resumes
     exactly from its state_dict(), so the tuner deepens its queue mid-epoch, through
     state_dict(), the new prefetch_factor and load_state_dict(); the loop sees the very
     batches of the untuned loader, and the old pool's worker is gone."""
     sdl = require_module("torchdata.stateful_dataloader")
-    monkeypatch.setattr(tuner_loop, "LONG_EPOCH", 0.2)
+    monkeypatch.setattr(tuner_loop, "LONG_EPOCH", 0.5)
+    monkeypatch.setattr(tuner_epoch, "MIN_BATCHES", 48)  # 6 bursts in a window at least
     monkeypatch.setenv("DATALOADER_EXPORTER_SETTINGS", "long-stateful.prefetch_factor=auto")
     tuner_log.set_level(logging.DEBUG, logger="dataloader_exporter.instrument")  # figures
 
     def build() -> Any:
-        return sdl.StatefulDataLoader(Bursty(480), batch_size=1, shuffle=True,
+        return sdl.StatefulDataLoader(Bursty(240), batch_size=1, shuffle=True,
                                       num_workers=1, generator=torch.Generator().manual_seed(5))
 
     expected = [b.clone() for b in build()]
@@ -586,7 +591,7 @@ def test_a_long_epoch_of_a_stateful_loader_gets_its_queue_deepened_mid_epoch(
         got.append(b.clone())
         prefetch.append(loader.prefetch_factor)
         pids.append(tuple(compat.worker_pids(compat.persistent_iterator(loader) or it._it)))
-        time.sleep(0.003)  # a step: on average the worker keeps up, only its bursts do not
+        time.sleep(0.015)  # a step: on average the worker keeps up, only its bursts do not
     assert same([got], [expected])
     # Deepened mid-epoch (and back if that trial did not pay, as it may not here).
     assert prefetch[0] == 2 and 4 in prefetch, (sorted(set(prefetch)), tuner_log.text)
