@@ -147,8 +147,9 @@ def _bottleneck(v: WorkerView, s: LoaderSignals, starved: bool) -> tuple[str, st
                          "from a loader with workers")
     if v.waiting_for_cpu_share >= bands.CPU_CONTENTION:
         return CONTENTION, (f"the workers wait for a CPU {pct(v.waiting_for_cpu_share)} of "
-                            "their time: more workers than the cores they get, or other "
-                            "processes on those cores")
+                            "their time: more workers than the cores they get, other "
+                            "processes on those cores, or (on a virtual machine) a busy "
+                            "host taking them")
     if v.running_share >= v.blocked_share:
         return CPU, f"the workers run {pct(v.running_share)} of their time: the samples cost CPU"
     return BLOCKED, (f"the workers are blocked {pct(v.blocked_share)} of their time while the "
