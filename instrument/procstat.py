@@ -31,6 +31,7 @@ from dataloader_exporter.core.facts.cores import machine_ticks, stolen_per_run
 PROC = "/proc"
 ROOM_EVERY = 0.9  # seconds between two readings of the memory room
 PSS_BUDGET = 0.004  # of one core, for reading PSS (its cost grows with the worker's memory)
+STEAL_BUDGET = 0.001  # of one core, for reading /proc/stat (its cost grows with the CPUs)
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -161,6 +162,31 @@ class LoopAccount:
             self.cpu_ns = (self.cpu_ns or 0) + max(0, self._last[1] - last[1])
 
 
+class StealRate:
+    """The time a process loses to steal per ns it runs (stolen_per_run), between the
+    machine's last two readings of /proc/stat, read only when cheap: each read pushes the
+    next one back so that reading takes at most STEAL_BUDGET of one core (about 15 µs a
+    read on 2 CPUs; the file grows with the CPUs and interrupts)."""
+
+    def __init__(self, path: str = f"{PROC}/stat", budget: float = STEAL_BUDGET) -> None:
+        self.path = path
+        self.budget = budget
+        self.rate: float | None = None  # the latest known
+        self._ticks: tuple[int, int] | None = None
+        self._next = 0.0
+
+    def read(self, now: float) -> float | None:
+        """The latest rate, the machine read again first if due (`now`, in seconds)."""
+        if now >= self._next:
+            t0 = time.thread_time()
+            ticks = machine_ticks(self.path)
+            self._next = now + (time.thread_time() - t0) / self.budget
+            rate = stolen_per_run(self._ticks, ticks)
+            self._ticks = ticks
+            self.rate = self.rate if rate is None else rate
+        return self.rate
+
+
 class PssReader:
     """PSS of processes, read only when cheap (PSS_BUDGET of one core, see above)."""
 
@@ -227,8 +253,7 @@ class ProcAccount:
         self._room_next = 0.0
         self._pss = PssReader(proc)
         self._pss_now: dict[int, int] = {}
-        self._ticks: tuple[int, int] | None = None  # the machine's, at the last samples
-        self._stolen: float | None = None  # steal per running ns, the latest known
+        self._steal_rate = StealRate(f"{proc}/stat")
 
     def observe(self, pids: list[int], now: float, active: bool,
                 room: Callable[[], int | None] | None = None) -> None:
@@ -240,12 +265,7 @@ class ProcAccount:
             now_room = room()
             if now_room is not None:
                 self._room = now_room if self._room is None else min(self._room, now_room)
-        stolen = None
-        if pids:
-            ticks = machine_ticks(f"{self.proc}/stat")
-            stolen = stolen_per_run(self._ticks, ticks)
-            self._ticks = ticks
-            self._stolen = self._stolen if stolen is None else stolen
+        stolen = self._steal_rate.read(now) if pids else None
         for pid in pids:
             got = sample(pid, self.proc)
             old = self.live.pop(pid, None)
@@ -289,7 +309,7 @@ class ProcAccount:
                 continue
             self._own += 1
             blocked = max(0, wall - cpu - wait)
-            moved = min(blocked, int(cpu * (self._stolen or 0.0)))
+            moved = min(blocked, int(cpu * (self._steal_rate.rate or 0.0)))
             for name, v in (("running_ns", cpu), ("waiting_ns", wait + moved),
                             ("blocked_ns", blocked - moved)):
                 total = self._sums[name]

@@ -324,3 +324,13 @@ def test_a_workers_time_the_hypervisor_took_is_waiting_for_a_cpu_not_blocked(tmp
     assert bare.waiting_ns == 0 and bare.blocked_ns is not None and bare.blocked_ns >= 3 * ran
     assert stolen.waiting_ns == ran  # busy and stolen ticks rose alike: half was stolen
     assert stolen.blocked_ns is not None and stolen.blocked_ns >= 2 * ran
+    # /proc/stat is read again only when its reads stay within their share of a core.
+    from dataloader_exporter.instrument.procstat import StealRate
+
+    stat = tmp_path / "steal" / "stat"
+    for budget, rate in ((1.0, 1.0), (1e-12, None)):  # cheap enough, or far from it
+        steal = StealRate(str(stat), budget)
+        stat.write_text("cpu  1000 0 0 9000 0 0 0 0 0 0\n")
+        assert steal.read(0.0) is None  # one reading: no interval yet
+        stat.write_text("cpu  2000 0 0 9000 0 0 0 1000 0 0\n")
+        assert steal.read(1.0) == rate
