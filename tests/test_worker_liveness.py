@@ -316,7 +316,7 @@ def test_a_workers_time_the_hypervisor_took_is_waiting_for_a_cpu_not_blocked(tmp
     time.sleep(0.2)  # at least this long: the interval's wall time, the rest blocked
     for name, steal in (("steal", 5 * tick), ("bare", 0)):
         write(tmp_path / name, tick // 20, steal)  # 50 ms on a CPU, in clock ticks
-        accounts[name].observe([7], 1.0, active=True)
+        accounts[name].observe([7], 1e6, active=True)  # long after: /proc/stat is due
     stolen, bare = (accounts[n].figures() for n in ("steal", "bare"))
     assert stolen is not None and bare is not None
     ran = tick // 20 * 1_000_000_000 // tick
