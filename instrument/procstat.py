@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dataloader_exporter.core.facts.cores import machine_ticks, stolen_per_run
+from dataloader_exporter.core.facts.cores import machine_ticks, stolen_ns, stolen_per_run
 
 PROC = "/proc"
 ROOM_EVERY = 0.9  # seconds between two readings of the memory room
@@ -290,7 +290,7 @@ class ProcAccount:
         wait, block = self._sums["waiting_ns"], self._sums["blocked_ns"]
         if blocked is None or wait is None or block is None:
             return
-        moved = min(blocked, int(max(0, running) * stolen))
+        moved = stolen_ns(running, blocked, stolen)
         self._sums["waiting_ns"], self._sums["blocked_ns"] = wait + moved, block - moved
 
     def end(self, pid: int) -> None:
@@ -309,7 +309,7 @@ class ProcAccount:
                 continue
             self._own += 1
             blocked = max(0, wall - cpu - wait)
-            moved = min(blocked, int(cpu * (self._steal_rate.rate or 0.0)))
+            moved = stolen_ns(cpu, blocked, self._steal_rate.rate)
             for name, v in (("running_ns", cpu), ("waiting_ns", wait + moved),
                             ("blocked_ns", blocked - moved)):
                 total = self._sums[name]

@@ -93,3 +93,9 @@ def stolen_per_run(before: tuple[int, int] | None,
         return None
     share = min(MAX_STOLEN, steal / (busy + steal))
     return share / (1 - share)
+
+
+def stolen_ns(running: int, blocked: int, per_run: float | None) -> int:
+    """The ns of `blocked` time that `running` ns on a CPU lost to steal at `per_run`
+    (stolen_per_run; None: unknown, nothing)."""
+    return min(max(0, blocked), int(max(0, running) * (per_run or 0.0)))
