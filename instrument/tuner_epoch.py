@@ -65,7 +65,7 @@ class Mark:
     iters: int  # iter()s of every loader of this name so far
     cpu_ns: int = 0  # the training process's CPU time (all its threads)
     loop_sched: tuple[int, int] | None = None  # the loop thread's running, run-queue ns
-    ticks: tuple[int, int] | None = None  # the machine's busy and stolen CPU ticks
+    ticks: tuple[int, int] | None = None  # the machine's busy and stolen CPU ticks (no workers)
     step_counts: np.ndarray | None = None  # the step histogram's bucket counts
     own_iters: int = 1  # this loader's own iter()s to come in its window (0: mid-epoch)
     first_ns: int = 0  # rec.first_total_ns
@@ -86,7 +86,8 @@ def take_mark(rec: LoaderRecorder, loader: Any, flush: bool = True,
     return Mark(setting, perf_counter_ns(), rec.batches, rec.samples, step_s,
                 counts, _times(rec.workers.proc_figures()), rec.iters, cpu_ns=process_time_ns(),
                 fetch_cpu=(rec.fetch_cpu_ns, rec.fetch_cpu_n),
-                loop_sched=loop_sched(rec.loop_tid), ticks=machine_ticks(), step_counts=steps,
+                loop_sched=loop_sched(rec.loop_tid), step_counts=steps,
+                ticks=machine_ticks() if setting.workers == 0 else None,  # for _load only
                 own_iters=0 if mid else 1, first_ns=rec.first_total_ns)
 
 
