@@ -227,6 +227,7 @@ class Figures:
     pss_bytes: int | None
     swap_bytes: int | None
     available_bytes: int | None  # the least memory room seen while batches flowed
+    stolen_ns: int | None = None  # of waiting_ns, a virtual machine's steal (estimated)
 
 
 _SUMMED = ("running_ns", "waiting_ns", "blocked_ns", "major_faults", "read_storage",
@@ -254,6 +255,7 @@ class ProcAccount:
         self._pss = PssReader(proc)
         self._pss_now: dict[int, int] = {}
         self._steal_rate = StealRate(f"{proc}/stat")
+        self._stolen = 0  # of the waiting sum, the steal estimated
 
     def observe(self, pids: list[int], now: float, active: bool,
                 room: Callable[[], int | None] | None = None) -> None:
@@ -292,6 +294,7 @@ class ProcAccount:
             return
         moved = stolen_ns(running, blocked, stolen)
         self._sums["waiting_ns"], self._sums["blocked_ns"] = wait + moved, block - moved
+        self._stolen += moved
 
     def end(self, pid: int) -> None:
         """A worker ended."""
@@ -310,6 +313,7 @@ class ProcAccount:
             self._own += 1
             blocked = max(0, wall - cpu - wait)
             moved = stolen_ns(cpu, blocked, self._steal_rate.rate)
+            self._stolen += moved
             for name, v in (("running_ns", cpu), ("waiting_ns", wait + moved),
                             ("blocked_ns", blocked - moved)):
                 total = self._sums[name]
@@ -329,6 +333,7 @@ class ProcAccount:
         return Figures(
             running_ns=sums["running_ns"], waiting_ns=sums["waiting_ns"],
             blocked_ns=sums["blocked_ns"], major_faults=sums["major_faults"],
+            stolen_ns=None if sums["waiting_ns"] is None else self._stolen,
             read_storage=sums["read_storage"], read_syscalls=sums["read_syscalls"],
             available_bytes=self._room,
             rss_bytes=sum(s.rss_bytes for s in live) if seen else None,

@@ -7,7 +7,9 @@ from the same counters at the next iter() (or, in a long epoch, while it runs):
   handed out, so a worker pool's start (and its rebuild) counts; the input stall from
   the first batch on (the wait for the first batch, a pool's start, is its own figure);
 - the workers' running / waiting-for-a-CPU / blocked shares (procstat.py) over the epoch,
-  a virtual machine's steal counted as waiting (core/facts/cores.py);
+  a virtual machine's steal (core/facts/cores.py) counted as running: the exported
+  figures count it as waiting, but it is a tax on each ns run, not a queue for the cores
+  that fewer workers would shorten, and a worker holds its virtual CPU through it;
 - the memory one worker takes (PSS, else its largest RSS; with no worker yet, the main
   process's RSS, which a forked worker can at most take), and a batch's bytes;
 - the fetch waits' burstiness (95th percentile over the median, from the histogram);
@@ -154,19 +156,20 @@ def _load(rec: LoaderRecorder, mark: Mark, batches: int, wall: float, step_s: fl
         if fetch_n < max(1, batches - 1):  # the fetch being read now is not counted yet
             return None
         fetch_s = max(1e-9, (wall - step_s) / batches)
-        fetch_cpu = min(fetch_s, fetch_cpu_ns / 1e9 / fetch_n)
-        # Time the loop thread waited for a CPU (in the run queue, or on a CPU the
-        # hypervisor took: core/facts/cores.py) is neither work nor blocking: the fetch's share of
-        # it (in proportion to its CPU time) is not time a batch takes to make.
+        ran_cpu = fetch_cpu = min(fetch_s, fetch_cpu_ns / 1e9 / fetch_n)
+        # Time the loop thread waited in the run queue is neither work nor blocking: the
+        # fetch's share of it (in proportion to its CPU time) is not time a batch takes
+        # to make.
         now, before = loop_sched(rec.loop_tid), mark.loop_sched
         if now is not None and before is not None:
             ran, queued = now[0] - before[0], now[1] - before[1]
             if ran > 0 and queued >= 0:
                 fetch_s = max(fetch_cpu, fetch_s - fetch_cpu * queued / ran)
+        # Time the hypervisor took from it (core/facts/cores.py) is a batch's CPU cost.
         stolen = stolen_per_run(mark.ticks, machine_ticks())
         if stolen:
-            fetch_s = max(fetch_cpu, fetch_s - fetch_cpu * stolen)
-        return Load(fetch_s, fetch_cpu, loop_s, max(0.0, cpu_s / batches - fetch_cpu))
+            fetch_cpu = min(fetch_s, fetch_cpu * (1 + stolen))
+        return Load(fetch_s, fetch_cpu, loop_s, max(0.0, cpu_s / batches - ran_cpu))
     if spent is None:
         return None
     running, _, blocked = spent
@@ -218,9 +221,12 @@ def burstiness(counts: np.ndarray, bounds: tuple[float, ...]) -> float | None:
 
 
 def _times(fig: Figures | None) -> tuple[int | None, int | None, int | None]:
-    """The workers' running, waiting-for-a-CPU and blocked nanoseconds so far."""
+    """The workers' running, waiting-for-a-CPU and blocked nanoseconds so far, the
+    steal estimated counted as running (module docstring)."""
     if fig is None:
         return None, None, None
+    if fig.stolen_ns and fig.running_ns is not None and fig.waiting_ns is not None:
+        return fig.running_ns + fig.stolen_ns, fig.waiting_ns - fig.stolen_ns, fig.blocked_ns
     return fig.running_ns, fig.waiting_ns, fig.blocked_ns
 
 

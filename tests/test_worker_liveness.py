@@ -294,8 +294,9 @@ def test_a_workers_time_the_hypervisor_took_is_waiting_for_a_cpu_not_blocked(tmp
                                                                             ) -> None:
     """A worker that ran 50 ms in an interval of 200 ms or more on its own, while the
     machine's CPUs lost half their busy time to steal (/proc/stat), lost 50 ms more
-    waiting for a CPU, not blocked on storage; without steal nothing moves. The figures
-    are /proc as the kernel writes it, for one worker read twice by its loader's account."""
+    waiting for a CPU, not blocked on storage, and the figures say how much of the wait
+    was steal (the tuner counts it as CPU); without steal nothing moves. The figures are
+    /proc as the kernel writes it, for one worker read twice by its loader's account."""
     from dataloader_exporter.instrument.procstat import ProcAccount
 
     def write(root: Path, utime: int, steal: int) -> None:
@@ -322,7 +323,11 @@ def test_a_workers_time_the_hypervisor_took_is_waiting_for_a_cpu_not_blocked(tmp
     ran = tick // 20 * 1_000_000_000 // tick
     assert stolen.running_ns == bare.running_ns == ran
     assert bare.waiting_ns == 0 and bare.blocked_ns is not None and bare.blocked_ns >= 3 * ran
-    assert stolen.waiting_ns == ran  # busy and stolen ticks rose alike: half was stolen
+    assert stolen.waiting_ns == stolen.stolen_ns == ran  # busy and stolen ticks rose alike
+    assert bare.stolen_ns == 0
+    from dataloader_exporter.instrument.tuner_epoch import _times
+
+    assert _times(stolen) == (2 * ran, 0, stolen.blocked_ns)  # the tuner: steal is CPU
     assert stolen.blocked_ns is not None and stolen.blocked_ns >= 2 * ran
     # /proc/stat is read again only when its reads stay within their share of a core.
     from dataloader_exporter.instrument.procstat import StealRate
