@@ -188,8 +188,12 @@ def test_a_loader_started_above_its_pinned_cores_shrinks_to_them_and_stays_withi
     assert max(pinned.workers[1:]) <= cores, pinned.truth["epochs"]
     assert pinned.changes[0] == (3, cores), pinned.truth["log"]
     assert all(new <= cores for _, new in pinned.changes), pinned.truth["log"]
+    # One cut, counted under its reason: more workers than the cores or, where the
+    # machine is busy enough that the workers' figures fall short of CPU-bound (seen here
+    # beside a busy loop), workers waiting for a CPU; both cut to the cores.
     counted = pinned.metric(cat.TUNER_CHANGES.name, setting="num_workers")
-    assert [(labels["reason"], n) for labels, n in counted if n] == [("cores", 1)], counted
+    cuts = [(labels["reason"], n) for labels, n in counted if n]
+    assert cuts in ([("cores", 1)], [("cpu-contention", 1)]), (counted, pinned.truth["log"])
 
 
 def test_each_torchrun_rank_stays_within_its_share_of_the_cores_and_reports_its_own_changes(
