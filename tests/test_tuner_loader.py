@@ -63,6 +63,21 @@ def epochs(loader: Any, n: int = EPOCHS, after: Callable[[], None] | None = None
     return seen, workers
 
 
+class ScriptedStat:
+    """/proc/stat's busy and stolen ticks as the tuner and the workers' account read them
+    (machine_ticks), scripted: the stolen ticks rise `stolen` times as fast as the busy."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, stolen: int) -> None:
+        self.stolen = stolen
+        self._ticks = itertools.count(1)
+        for module in (procstat, tuner_epoch):
+            monkeypatch.setattr(module, "machine_ticks", self)
+
+    def __call__(self, path: str = "") -> tuple[int, int]:
+        n = next(self._ticks) * 1000
+        return n, self.stolen * n
+
+
 def same(a: Batches, b: Batches) -> bool:
     return len(a) == len(b) and all(
         len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y, strict=True))
@@ -640,14 +655,7 @@ def test_a_map_style_loader_changes_its_pool_mid_epoch_with_the_same_order_and_r
 
     bare = run(torch.utils.data.DataLoader)
     if stolen:
-        ticks = itertools.count(1)
-
-        def machine(path: str = "") -> tuple[int, int]:
-            n = next(ticks) * 1000
-            return n, stolen * n  # busy and stolen ticks
-
-        monkeypatch.setattr(procstat, "machine_ticks", machine)
-        monkeypatch.setattr(tuner_epoch, "machine_ticks", machine)
+        ScriptedStat(monkeypatch, stolen)
     tuned = run(instrument.DataLoader, name="mid", registry=registry, tune=True)
     assert tuned[0] == bare[0]
     assert torch.equal(tuned[2], bare[2]) and torch.equal(tuned[3], bare[3])
@@ -774,14 +782,7 @@ def test_without_workers_the_time_the_hypervisor_took_is_not_read_as_blocking(
         assert name in found, tuner_log.text
         return found[name]
 
-    ticks = itertools.count(1)
-    stolen_per_busy = 0
-
-    def machine() -> tuple[int, int]:
-        n = next(ticks) * 1000
-        return n, stolen_per_busy * n  # busy and stolen ticks
-
-    monkeypatch.setattr(tuner_epoch, "machine_ticks", machine)
+    stat = ScriptedStat(monkeypatch, 0)
     assert 30 <= first_share("bare") <= 70
-    stolen_per_busy = 2  # stolen ticks rise twice as fast as busy ones
+    stat.stolen = 2  # stolen ticks rise twice as fast as busy ones
     assert first_share("stolen") >= 85
