@@ -84,8 +84,9 @@ class TimedIterator(Timed):
 
     def _first(self, batch: Any, t1: int) -> Any:
         self._retry = None
-        self._owner.first_batch(batch, t1 - self._start)
         rec = self._rec
+        rec.first_at_ns = t1
+        self._owner.first_batch(batch, t1 - self._start)
         self._last = rec.last_batch_ns = t1
         b = rec.batches = rec.batches + 1
         return self._walk(batch, b)

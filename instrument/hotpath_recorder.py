@@ -94,7 +94,7 @@ class LoaderRecorder(Counts):
         # (CpuTimedIterator), and how many fetches it covers.
         self.fetch_cpu_ns = 0
         self.fetch_cpu_n = 0
-        self.first_total_ns = 0  # the epochs' waits for their first batch, summed
+        self.first_at_ns = 0  # perf_counter_ns of the latest epoch's first batch
         self.on_flush: Callable[[], None] | None = None
         # Reader side.
         self.lock = threading.Lock()

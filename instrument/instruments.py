@@ -272,7 +272,6 @@ class Instruments:
     def first_batch(self, batch: Any, since_iter_ns: int) -> None:
         rec = self.rec
         rec.first.append(since_iter_ns)
-        rec.first_total_ns += since_iter_ns
         tuning = self.tuning
         if tuning is not None and not tuning.tuner.stable:  # tuning_now: the workers' first
             self._read()  # sample of the epoch (tuner_loop.py)

@@ -70,7 +70,6 @@ class Mark:
     ticks: tuple[int, int] | None = None  # the machine's busy and stolen CPU ticks (no workers)
     step_counts: np.ndarray | None = None  # the step histogram's bucket counts
     own_iters: int = 1  # this loader's own iter()s to come in its window (0: mid-epoch)
-    first_ns: int = 0  # rec.first_total_ns
     fetch_cpu: tuple[int, int] = (0, 0)  # rec.fetch_cpu_ns, rec.fetch_cpu_n
 
 
@@ -90,7 +89,7 @@ def take_mark(rec: LoaderRecorder, loader: Any, flush: bool = True,
                 fetch_cpu=(rec.fetch_cpu_ns, rec.fetch_cpu_n),
                 loop_sched=loop_sched(rec.loop_tid), step_counts=steps,
                 ticks=machine_ticks() if setting.workers == 0 else None,  # for _load only
-                own_iters=0 if mid else 1, first_ns=rec.first_total_ns)
+                own_iters=0 if mid else 1)
 
 
 def epoch_since(rec: LoaderRecorder, mark: Mark, name: str, flush: bool = True,
@@ -131,7 +130,9 @@ def epoch_since(rec: LoaderRecorder, mark: Mark, name: str, flush: bool = True,
             spent = None
     # The stall from the first batch on: a pool's start is its own figure, and more
     # workers would not shorten it (the rate, samples over the whole wall, counts it).
-    steady = max(1e-9, wall - (rec.first_total_ns - mark.first_ns) / 1e9)
+    # From the mark, not from iter(): what ran in iter() before the mark is in neither.
+    first = rec.first_at_ns if mark.t_ns < rec.first_at_ns <= end else mark.t_ns
+    steady = max(1e-9, (end - first) / 1e9)
     epoch = Epoch(mark.setting, done / wall, max(0.0, min(1.0, 1 - step_s / steady)),
                   shares[0], shares[1], shares[2],
                   _worker_bytes(fig, rec.workers.active or 0),

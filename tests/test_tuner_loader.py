@@ -786,3 +786,29 @@ def test_without_workers_the_time_the_hypervisor_took_is_not_read_as_blocking(
     assert 30 <= first_share("bare") <= 70
     stat.stolen = 2  # stolen ticks rise twice as fast as busy ones
     assert first_share("stolen") >= 85
+
+
+def test_the_tuners_own_start_is_not_taken_from_the_time_the_loop_waited(
+        registry: CollectorRegistry, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner starts at the first iter(), before its mark: on a loaded machine its start
+    (imports, the first reading) can outlast an epoch. The epoch's stall counts from its
+    first batch after the mark, so that start is in neither the wall nor the wait: samples
+    that sleep 2 ms and a loop that does nothing read as a loop waiting nearly all its time,
+    and the tuner adds workers."""
+    start = tuner_loop.LoaderTuning.__init__
+
+    def slow_start(self: tuner_loop.LoaderTuning, *args: Any, **kwargs: Any) -> None:
+        time.sleep(0.5)  # past the epoch's 12 batches of 16 ms
+        start(self, *args, **kwargs)
+
+    monkeypatch.setattr(tuner_loop.LoaderTuning, "__init__", slow_start)
+    loader = instrument.DataLoader(SleepDataset(N, delay=0.002), batch_size=BATCH,
+                                   name="slowstart", registry=registry, tune=("num_workers",))
+    with caplog.at_level(logging.DEBUG, logger="dataloader_exporter.instrument"):
+        epochs(loader, 2)  # the second iter() judges the first epoch
+    judged = re.search(r"dataloader 'slowstart': \d+ batches in [\d.]+ s, to be judged: "
+                       r"Epoch\(setting=Setting\(workers=0, .*?stall=([\d.]+)", caplog.text)
+    assert judged is not None, caplog.text
+    assert float(judged[1]) >= 0.5, caplog.text
+    assert "dataloader 'slowstart': num_workers 0 -> " in caplog.text, caplog.text
