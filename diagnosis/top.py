@@ -1,7 +1,8 @@
 """`dataloader-exporter top`: a live terminal view of the overview dashboard's signals.
 
 Computed from successive scrapes of an exporter's /metrics; needs no Prometheus or
-Grafana. Quits on q and on Ctrl-C.
+Grafana. Quits on q and on Ctrl-C, also where it was started with SIGINT ignored (a
+background job of a script without job control inherits that), as a terminal view should.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import curses
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         print("dataloader-exporter top: needs a terminal; without one, use "
               f"`dataloader-exporter doctor --url {args.url}`", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if it was ignored
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C quits like q
         curses.wrapper(_loop, args.url, args.interval)
     return 0

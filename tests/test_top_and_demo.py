@@ -66,15 +66,21 @@ def _read_until(fd: int, pattern: str, timeout: float) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["q", "ctrl-c"])
+@pytest.mark.parametrize("how", ["q", "ctrl-c", "ctrl-c-ignored"])
 def test_top_draws_in_a_terminal_and_quits_cleanly(
         live: tuple[instrument.DataLoader, str], how: str) -> None:
+    """ctrl-c-ignored: started with SIGINT ignored (as a background job of a script without
+    job control is), Ctrl-C still quits."""
     loader, url = live
     for _ in loader:
         pass
+    argv = [sys.executable, "-m", "dataloader_exporter", "top", "--url", url, "--interval",
+            "0.3"]
+    if how == "ctrl-c-ignored":  # ignored across exec, as a shell's `cmd &` does
+        argv = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, "
+                "signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])", *argv]
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "dataloader_exporter", "top", "--url", url,
-                             "--interval", "0.3"], stdin=follower, stdout=follower,
+    proc = subprocess.Popen(argv, stdin=follower, stdout=follower,
                             stderr=follower, cwd=REPO, start_new_session=True,
                             env={**os.environ, "TERM": "xterm", "LINES": "24", "COLUMNS": "100"})
     os.close(follower)
