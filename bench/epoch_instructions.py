@@ -82,18 +82,27 @@ def count(which: str, epochs: int, without: tuple[str, ...], tmp: str) -> int:
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         cwd=REPO, env=env)
     assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout = proc.stdin, proc.stdout
+
+    def expect(word: str) -> None:
+        if (line := stdout.readline().strip()) != word:
+            raise RuntimeError(f"the child said {line!r}: {proc.stderr.read()[-2000:]}")
+
+    def send(word: str) -> None:
+        stdin.write(word + "\n")
+        stdin.flush()
+
+    def switch(on: bool) -> None:
+        subprocess.run(["callgrind_control", "-i", "on" if on else "off", str(proc.pid)],
+                       check=True, capture_output=True, timeout=60)
+
     try:
-        for expect in ("ready", "done"):
-            if expect == "done":
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
-            line = proc.stdout.readline().strip()
-            if line != expect:
-                raise RuntimeError(f"the child said {line!r}: {proc.stderr.read()[-2000:]}")
-            subprocess.run(["callgrind_control", "-i", "on" if expect == "ready" else "off",
-                            str(proc.pid)], check=True, capture_output=True, timeout=60)
-        proc.stdin.write("end\n")
-        proc.stdin.flush()
+        expect("ready")
+        switch(True)
+        send("go")
+        expect("done")
+        switch(False)
+        send("end")
         _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
