@@ -789,7 +789,7 @@ def test_without_workers_the_time_the_hypervisor_took_is_not_read_as_blocking(
 
 
 def test_the_tuners_own_start_is_not_taken_from_the_time_the_loop_waited(
-        registry: CollectorRegistry, caplog: pytest.LogCaptureFixture,
+        registry: CollectorRegistry, tuner_log: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The tuner starts at the first iter(), before its mark: on a loaded machine its start
     (imports, the first reading) can outlast an epoch. The epoch's stall counts from its
@@ -805,10 +805,10 @@ def test_the_tuners_own_start_is_not_taken_from_the_time_the_loop_waited(
     monkeypatch.setattr(tuner_loop.LoaderTuning, "__init__", slow_start)
     loader = instrument.DataLoader(SleepDataset(N, delay=0.002), batch_size=BATCH,
                                    name="slowstart", registry=registry, tune=("num_workers",))
-    with caplog.at_level(logging.DEBUG, logger="dataloader_exporter.instrument"):
-        epochs(loader, 2)  # the second iter() judges the first epoch
+    tuner_log.set_level(logging.DEBUG, logger="dataloader_exporter.instrument")  # figures
+    epochs(loader, 2)  # the second iter() judges the first epoch
     judged = re.search(r"dataloader 'slowstart': \d+ batches in [\d.]+ s, to be judged: "
-                       r"Epoch\(setting=Setting\(workers=0, .*?stall=([\d.]+)", caplog.text)
-    assert judged is not None, caplog.text
-    assert float(judged[1]) >= 0.5, caplog.text
-    assert "dataloader 'slowstart': num_workers 0 -> " in caplog.text, caplog.text
+                       r"Epoch\(setting=Setting\(workers=0, .*?stall=([\d.]+)", tuner_log.text)
+    assert judged is not None, tuner_log.text
+    assert float(judged[1]) >= 0.5, tuner_log.text
+    assert "dataloader 'slowstart': num_workers 0 -> " in tuner_log.text, tuner_log.text
