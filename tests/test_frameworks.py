@@ -102,7 +102,9 @@ def test_accelerate_under_torchrun_counts_each_ranks_steps_with_no_code(
 
 def test_accelerate_prepared_loader_has_worker_series_and_no_false_worker_loss(
         accelerate_torchrun: Run) -> None:
-    assert_workers_seen_honestly(accelerate_torchrun, ACCELERATE_LOADER)
+    # The tuner is on (the fixture): a batch takes about as long to make as a step, so it
+    # may keep the one worker or add one; either is what the series must say.
+    assert_workers_seen_honestly(accelerate_torchrun, ACCELERATE_LOADER, tuned=True)
     info = accelerate_torchrun.labels(0, cat.INFO.name)
     assert len(info) == 1 and info[0]["batch_size"] == "8"  # read from Accelerate's sampler
 
