@@ -30,8 +30,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 WARMUP = 50
 
-# Pieces of the instrumented path, each replaced by a no-op of the same result.
-PIECES = ("settings_key", "shm", "mark_epoch", "first_batch", "walk", "arm")
+# Pieces of the instrumented path, each replaced by a no-op of the same result (or, for
+# python_first, by the Python path it replaces: a negative saving).
+PIECES = ("settings", "shm", "arm", "kept_iter", "timed", "python_first")
 
 
 def child(which: str, epochs: int, without: list[str]) -> None:
@@ -43,7 +44,8 @@ def child(which: str, epochs: int, without: list[str]) -> None:
     from torch.utils.data import DataLoader
 
     from dataloader_exporter import instrument
-    from dataloader_exporter.instrument import hotpath_iterator, instruments, iter_start
+    from dataloader_exporter.instrument import iter_start
+    from dataloader_exporter.instrument.hotpath_iterator import TimedIterator
     from dataloader_exporter.instrument.torch_originals import TORCH_ITER
 
     ds = overhead.make_dataset(64)
@@ -53,13 +55,26 @@ def child(which: str, epochs: int, without: list[str]) -> None:
     for _ in range(WARMUP):  # the first also logs the config and keeps the plan
         next(iter(loader))
     kept = loader._instruments.kept if which != "bare" else None
-    noop = {
-        "settings_key": (iter_start, "_settings_key", lambda _loader: kept.key),
+    made = iter_start.kept_timed
+
+    def bare_kept_iter(loader: Any, inst: Any, kept: Any, start: int) -> Any:
+        return made(TimedIterator, TORCH_ITER(loader), inst.rec, inst, start, kept.count,
+                    kept.sized, True)
+
+    noop = {  # (owner, attribute, replacement)
+        # the kept plan's settings compared with the loader's
+        "settings": (iter_start, "same_attrs", lambda *a: True),
+        # its /dev/shm size compared
         "shm": (iter_start, "process_shm_size", lambda: kept.shm),
-        "mark_epoch": (instruments.Instruments, "mark_epoch", lambda *a, **k: None),
-        "first_batch": (instruments.Instruments, "first_batch", lambda *a: None),
-        "walk": (hotpath_iterator.TimedIterator, "_walk", lambda _self, batch, _b: batch),
-        "arm": (hotpath_iterator.TimedIterator, "_arm", lambda *a: None),
+        # the arming of the full-batch count: the sampler's length (torch's and the
+        # dataset's __len__)
+        "arm": (kept, "sized", None),
+        # all of _kept_iter's checks and bookkeeping: only the TimedIterator built
+        "kept_iter": (iter_start, "_kept_iter", bare_kept_iter),
+        # the whole instrumentation but the class: its __iter__ is torch's
+        "timed": (type(loader), "__iter__", TORCH_ITER),
+        # the first batch recorded by the Python path (_first) instead of in C
+        "python_first": (iter_start, "kept_timed", lambda *a: made(*a[:-1], False)),
     }
     for name in without:
         owner, attr, fn = noop[name]
@@ -137,7 +152,7 @@ def main() -> int:
         for piece in () if args.quick else PIECES:
             without = (count("inst", epochs, (piece,), tmp) - base["inst"]) / epochs
             saved[piece] = per["inst"] - without
-            print(f"  {piece:<13} {saved[piece]:>8,.0f}")
+            print(f"  {piece:<13} {saved[piece]:>+9,.0f}")
     print(json.dumps({"epochs": epochs, "bare": per["bare"], "instrumented": per["inst"],
                       "pieces": saved}))
     return 0

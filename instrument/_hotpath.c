@@ -169,8 +169,11 @@ typedef struct {
     long long batches;
     long long samples;
     long long last_batch_ns;
+    long long first_at_ns;
+    long long epochs;
     Ring *fetch;
     Ring *step;
+    Ring *first;
 } Counts;
 
 static PyTypeObject CountsType;
@@ -186,7 +189,8 @@ static PyObject *Counts_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     if (c == NULL) return NULL;
     c->fetch = (Ring *)new_ring(1 << 17);
     c->step = (Ring *)new_ring(1 << 17);
-    if (c->fetch == NULL || c->step == NULL) {
+    c->first = (Ring *)new_ring(1 << 17);
+    if (c->fetch == NULL || c->step == NULL || c->first == NULL) {
         Py_DECREF(c);
         return NULL;
     }
@@ -197,20 +201,23 @@ static PyObject *Counts_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
 static void Counts_dealloc(Counts *c) {
     Py_CLEAR(c->fetch);
     Py_CLEAR(c->step);
+    Py_CLEAR(c->first);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
 static PyObject *Counts_rings(Counts *c, PyObject *arg) {
     Py_ssize_t maxlen = PyLong_AsSsize_t(arg);
     if (maxlen == -1 && PyErr_Occurred()) return NULL;
-    PyObject *f = new_ring(maxlen), *s = new_ring(maxlen);
-    if (f == NULL || s == NULL) {
+    PyObject *f = new_ring(maxlen), *s = new_ring(maxlen), *b = new_ring(maxlen);
+    if (f == NULL || s == NULL || b == NULL) {
         Py_XDECREF(f);
         Py_XDECREF(s);
+        Py_XDECREF(b);
         return NULL;
     }
     Py_SETREF(c->fetch, (Ring *)f);
     Py_SETREF(c->step, (Ring *)s);
+    Py_SETREF(c->first, (Ring *)b);
     Py_RETURN_NONE;
 }
 
@@ -219,8 +226,13 @@ static PyMemberDef Counts_members[] = {
     {"samples", T_LONGLONG, offsetof(Counts, samples), 0, "Samples handed out."},
     {"last_batch_ns", T_LONGLONG, offsetof(Counts, last_batch_ns), 0,
      "perf_counter_ns of the last batch handed out (0: none yet)."},
+    {"first_at_ns", T_LONGLONG, offsetof(Counts, first_at_ns), 0,
+     "perf_counter_ns of the latest epoch's first batch (0: none yet)."},
+    {"epochs", T_LONGLONG, offsetof(Counts, epochs), 0, "Epochs begun (first batches)."},
     {"fetch", T_OBJECT, offsetof(Counts, fetch), READONLY, "The fetch waits not read yet."},
     {"step", T_OBJECT, offsetof(Counts, step), READONLY, "The steps not read yet."},
+    {"first", T_OBJECT, offsetof(Counts, first), READONLY,
+     "The first batches' waits since iter() not read yet."},
     {NULL},
 };
 
@@ -243,26 +255,52 @@ static PyTypeObject CountsType = {
 
 /* ---------------------------------------------------------------- Timed */
 
+#define BYTES_EVERY 256  /* hotpath_iterator.BYTES_EVERY: batches between two bytes samples */
+
 typedef struct {
     PyObject_HEAD
-    PyObject *it;     /* the iterator timed */
-    Counts *rec;      /* where its batches are recorded */
-    long long last;   /* perf_counter_ns of its last batch (0: none yet) */
-    long long mark;   /* while rec.batches < mark a batch is full and nothing is due */
-    long long size;   /* a full batch's samples */
+    PyObject *it;       /* _it: the iterator timed */
+    Counts *rec;        /* _rec: where its batches are recorded */
+    long long last;     /* _last: perf_counter_ns of its last batch (0: none yet) */
+    long long mark;     /* _mark: while rec.batches < mark a batch is full, nothing is due */
+    long long size;     /* _size: a full batch's samples */
+    /* The subclass's state (hotpath_iterator.TimedIterator says what each holds). */
+    PyObject *count;    /* _count */
+    PyObject *sized;    /* _sized: (size, sampler), or None */
+    long long end;      /* _end */
+    PyObject *owner;    /* _owner */
+    long long start;    /* _start */
+    long long gen;      /* _gen */
+    long long probe;    /* _probe */
+    PyObject *retry;    /* _retry */
+    PyObject *resume;   /* _resume */
+    char done;          /* _done */
+    char quick;         /* _quick: its first batch is recorded here (quick_first) */
 } Timed;
 
-static PyObject *str_first, *str_walk, *str_exhausted, *str_raised;
+static PyObject *str_first, *str_walk, *str_exhausted, *str_raised, *str_epochs, *str_shape;
+static PyObject *tensor_type;  /* torch.Tensor (set_tensor_type), or NULL */
+static PyObject *one;          /* the int 1 */
 
 static int Timed_traverse(Timed *t, visitproc visit, void *arg) {
     Py_VISIT(t->it);
     Py_VISIT(t->rec);
+    Py_VISIT(t->count);
+    Py_VISIT(t->sized);
+    Py_VISIT(t->owner);
+    Py_VISIT(t->retry);
+    Py_VISIT(t->resume);
     return 0;
 }
 
 static int Timed_clear(Timed *t) {
     Py_CLEAR(t->it);
     Py_CLEAR(t->rec);
+    Py_CLEAR(t->count);
+    Py_CLEAR(t->sized);
+    Py_CLEAR(t->owner);
+    Py_CLEAR(t->retry);
+    Py_CLEAR(t->resume);
     return 0;
 }
 
@@ -285,6 +323,113 @@ static PyObject *call2(Timed *t, PyObject *name, PyObject *batch, long long n) {
     Py_DECREF(batch);
     Py_DECREF(num);
     return out;
+}
+
+/* An error raised here that an `except Exception` would catch is cleared (1); any other
+   (KeyboardInterrupt, SystemExit) is left set (0). */
+static int clear_exception(void) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return 0;
+    PyErr_Clear();
+    return 1;
+}
+
+/* hotpath_batch.collated_len's common cases: a torch.Tensor, or a list, tuple or dict
+   whose first item is one, its first dimension. 1 with *n set; 0 where the Python
+   counter must say (any other batch, a 0-d tensor, an error, which is cleared). */
+static int collated_count(PyObject *batch, long long *n) {
+    if (tensor_type == NULL) return 0;
+    PyObject *x = NULL;
+    if (Py_IS_TYPE(batch, (PyTypeObject *)tensor_type)) {
+        x = batch;
+    } else if (PyList_CheckExact(batch) || PyTuple_CheckExact(batch)) {
+        if (PySequence_Fast_GET_SIZE(batch) > 0) x = PySequence_Fast_GET_ITEM(batch, 0);
+    } else if (PyDict_CheckExact(batch)) {
+        Py_ssize_t pos = 0;
+        PyObject *key;
+        PyDict_Next(batch, &pos, &key, &x);
+    }
+    if (x == NULL || !Py_IS_TYPE(x, (PyTypeObject *)tensor_type)) return 0;
+    PyObject *shape = PyObject_GetAttr(x, str_shape);
+    if (shape == NULL) return clear_exception() ? 0 : -1;
+    int ok = 0;
+    if (PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) > 0
+        && PyLong_CheckExact(PyTuple_GET_ITEM(shape, 0))) {
+        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, 0));
+        if (v == -1 && PyErr_Occurred()) PyErr_Clear();
+        else {
+            *n = v;
+            ok = 1;
+        }
+    }
+    Py_DECREF(shape);
+    return ok;
+}
+
+/* The first batch of an iterator built with quick set (iter_start._kept_iter: a kept plan
+   whose first batch needs nothing but its records): what TimedIterator._first does for
+   it, without a Python frame of its own. Where anything here cannot do it (a batch
+   collated_count cannot count, the bytes sample due, the owner's count), before any
+   change, the subclass's _first does all of it. Steals batch. */
+static PyObject *quick_first(Timed *t, PyObject *batch, int64_t t1) {
+    Counts *rec = t->rec;
+    t->quick = 0;
+    long long n = 0;
+    int counted = collated_count(batch, &n);
+    if (counted < 0) {
+        Py_DECREF(batch);
+        return NULL;
+    }
+    if (!counted || t->owner == NULL || (rec->batches + 1) % BYTES_EVERY == 0)
+        return call2(t, str_first, batch, t1);
+    PyObject *e = PyObject_GetAttr(t->owner, str_epochs), *e1 = NULL;
+    if (e != NULL) {
+        e1 = PyNumber_Add(e, one);
+        Py_DECREF(e);
+    }
+    if (e1 == NULL || PyObject_SetAttr(t->owner, str_epochs, e1) < 0) {
+        Py_XDECREF(e1);
+        if (!clear_exception()) {
+            Py_DECREF(batch);
+            return NULL;
+        }
+        return call2(t, str_first, batch, t1);
+    }
+    Py_DECREF(e1);
+    /* From here on nothing fails but the sampler's len(), as in _arm. */
+    Py_CLEAR(t->retry);
+    rec->first_at_ns = t1;
+    ring_push(rec->first, t1 - t->start);
+    rec->epochs++;
+    t->last = rec->last_batch_ns = t1;
+    long long b = ++rec->batches;
+    rec->samples += n;
+    PyObject *sized = t->sized;
+    if (sized == NULL || sized == Py_None) return batch;
+    long long size = PyTuple_Check(sized) && PyTuple_GET_SIZE(sized) == 2
+        ? PyLong_AsLongLong(PyTuple_GET_ITEM(sized, 0)) : -1;
+    long long full = 0;
+    if (size > 0) {
+        Py_ssize_t len = PyObject_Size(PyTuple_GET_ITEM(sized, 1));
+        if (len >= 0) full = len / size;
+    }
+    if (PyErr_Occurred() && !clear_exception()) {
+        Py_DECREF(batch);
+        return NULL;
+    }
+    if (n != size || full < 2 || t->probe || (t->resume != NULL && t->resume != Py_None)) {
+        Py_CLEAR(t->sized);
+        return batch;
+    }
+    long long end = t->end = b + full - 1;
+    t->size = size;
+    if (b >= end) {
+        t->mark = 0;
+        Py_CLEAR(t->sized);
+        return batch;
+    }
+    long long next = (b / BYTES_EVERY + 1) * BYTES_EVERY;
+    t->mark = end + 1 < next ? end + 1 : next;
+    return batch;
 }
 
 /* next() of the held iterator ended it or raised: the subclass's _exhausted() at its
@@ -356,7 +501,22 @@ static PyObject *Timed_next(Timed *t) {
         }
         return call2(t, str_walk, batch, b);
     }
+    if (t->quick) return quick_first(t, batch, t1);
     return call2(t, str_first, batch, t1);
+}
+
+/* An attribute it does not have is its iterator's (as TimedIterator passes everything
+   else through), but for names that start with "__". */
+static PyObject *Timed_getattro(PyObject *self, PyObject *name) {
+    PyObject *v = PyObject_GenericGetAttr(self, name);
+    if (v != NULL || !PyErr_ExceptionMatches(PyExc_AttributeError)) return v;
+    PyObject *it = ((Timed *)self)->it;
+    if (it == NULL || !PyUnicode_Check(name)
+        || (PyUnicode_GET_LENGTH(name) >= 2 && PyUnicode_READ_CHAR(name, 0) == '_'
+            && PyUnicode_READ_CHAR(name, 1) == '_'))
+        return NULL;
+    PyErr_Clear();
+    return PyObject_GetAttr(it, name);
 }
 
 static PyObject *Timed_get_it(Timed *t, void *Py_UNUSED(closure)) {
@@ -393,6 +553,18 @@ static PyMemberDef Timed_members[] = {
     {"_mark", T_LONGLONG, offsetof(Timed, mark), 0,
      "While rec.batches < _mark a batch holds _size samples and nothing else is due."},
     {"_size", T_LONGLONG, offsetof(Timed, size), 0, "A full batch's samples."},
+    {"_count", T_OBJECT, offsetof(Timed, count), 0, "How a batch's samples are counted."},
+    {"_sized", T_OBJECT, offsetof(Timed, sized), 0, "(size, sampler) until armed, or None."},
+    {"_end", T_LONGLONG, offsetof(Timed, end), 0, "The epoch's last full batch (0: unknown)."},
+    {"_owner", T_OBJECT, offsetof(Timed, owner), 0, "The loader's Instruments."},
+    {"_start", T_LONGLONG, offsetof(Timed, start), 0, "perf_counter_ns of its iter()."},
+    {"_gen", T_LONGLONG, offsetof(Timed, gen), 0, "Its workers' generation (0: none)."},
+    {"_probe", T_LONGLONG, offsetof(Timed, probe), 0, "The tuner's next reading (0: none)."},
+    {"_retry", T_OBJECT, offsetof(Timed, retry), 0, "The tuner's way back, or None."},
+    {"_resume", T_OBJECT, offsetof(Timed, resume), 0, "The tuner's mid-epoch change, or None."},
+    {"_done", T_BOOL, offsetof(Timed, done), 0, "Whether its end was recorded."},
+    {"_quick", T_BOOL, offsetof(Timed, quick), 0,
+     "Whether its first batch is recorded in C (iter_start._kept_iter)."},
     {NULL},
 };
 
@@ -418,11 +590,81 @@ static PyTypeObject TimedType = {
     .tp_traverse = (traverseproc)Timed_traverse,
     .tp_clear = (inquiry)Timed_clear,
     .tp_free = PyObject_GC_Del,
+    .tp_getattro = Timed_getattro,
     .tp_iter = PyObject_SelfIter,
     .tp_iternext = (iternextfunc)Timed_next,
     .tp_members = Timed_members,
     .tp_getset = Timed_getset,
 };
+
+/* kept(cls, it, rec, owner, start_ns, count, sized, quick): a new cls (a subclass of
+   Timed) as TimedIterator(it, owner, start_ns, 0, count, sized, False) makes it, without
+   its __init__; quick: its first batch recorded in C where it can be (quick_first). */
+static PyObject *kept(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "kept(cls, it, rec, owner, start_ns, count, sized, quick)");
+        return NULL;
+    }
+    PyObject *cls = args[0];
+    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, &TimedType)) {
+        PyErr_SetString(PyExc_TypeError, "kept: cls must be a subclass of Timed");
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(args[2], &CountsType)) {
+        PyErr_SetString(PyExc_TypeError, "kept: rec must be a Counts");
+        return NULL;
+    }
+    long long start = PyLong_AsLongLong(args[4]);
+    int quick = PyObject_IsTrue(args[7]);
+    if ((start == -1 && PyErr_Occurred()) || quick < 0) return NULL;
+    PyTypeObject *type = (PyTypeObject *)cls;
+    Timed *t = (Timed *)type->tp_alloc(type, 0);
+    if (t == NULL) return NULL;
+    t->it = Py_NewRef(args[1]);
+    t->rec = (Counts *)Py_NewRef(args[2]);
+    t->owner = Py_NewRef(args[3]);
+    t->start = start;
+    t->count = Py_NewRef(args[5]);
+    t->sized = Py_NewRef(args[6]);
+    t->quick = (char)quick;
+    return (PyObject *)t;
+}
+
+/* set_tensor_type(torch.Tensor): the type whose batches quick_first counts. */
+static PyObject *set_tensor_type(PyObject *Py_UNUSED(m), PyObject *arg) {
+    if (!PyType_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "set_tensor_type: a type");
+        return NULL;
+    }
+    Py_XSETREF(tensor_type, Py_NewRef(arg));
+    Py_RETURN_NONE;
+}
+
+/* same_attrs(obj, names, values): whether obj has each attribute named with a value equal
+   to the value at its index (== as in a tuple's comparison). Read as getattr() does, never
+   through obj.__dict__: once asked for, an instance's __dict__ slows every attribute read
+   of it for good (CPython 3.11 stops reading its attributes inline). */
+static PyObject *same_attrs(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])
+        || PyTuple_GET_SIZE(args[1]) != PyTuple_GET_SIZE(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "same_attrs(obj, names, values): tuples of one length");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[1]); i++) {
+        PyObject *v = PyObject_GetAttr(args[0], PyTuple_GET_ITEM(args[1], i));
+        if (v == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        int same = PyObject_RichCompareBool(v, PyTuple_GET_ITEM(args[2], i), Py_EQ);
+        Py_DECREF(v);
+        if (same < 0) return NULL;
+        if (!same) Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
 
 /* ---------------------------------------------------------------- module */
 
@@ -487,6 +729,13 @@ static PyObject *beat(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t 
 
 static PyMethodDef module_methods[] = {
     {"clock_ns", clock_ns, METH_NOARGS, "The clock Timed reads (perf_counter_ns's)."},
+    {"kept", (PyCFunction)(void (*)(void))kept, METH_FASTCALL,
+     "kept(cls, it, rec, owner, start_ns, count, sized, quick): a TimedIterator of a kept "
+     "plan, without its __init__."},
+    {"same_attrs", (PyCFunction)(void (*)(void))same_attrs, METH_FASTCALL,
+     "same_attrs(obj, names, values): whether obj has each attribute with an equal value."},
+    {"set_tensor_type", set_tensor_type, METH_O,
+     "set_tensor_type(torch.Tensor): the type whose batches a quick first batch counts."},
     {"beat", (PyCFunction)(void (*)(void))beat, METH_FASTCALL,
      "beat(address, samples, miscounted, fd) -> fd: a worker's row at the end of a batch "
      "(hotpath_workerblock.beat says what it writes)."},
@@ -509,12 +758,17 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     str_walk = PyUnicode_InternFromString("_walk");
     str_exhausted = PyUnicode_InternFromString("_exhausted");
     str_raised = PyUnicode_InternFromString("_raised");
-    if (!str_first || !str_walk || !str_exhausted || !str_raised) return NULL;
+    str_epochs = PyUnicode_InternFromString("epochs");
+    str_shape = PyUnicode_InternFromString("shape");
+    one = PyLong_FromLong(1);
+    if (!one || !str_first || !str_walk || !str_exhausted || !str_raised || !str_epochs || !str_shape)
+        return NULL;
     PyObject *m = PyModule_Create(&hotpath_module);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Ring", (PyObject *)&RingType) < 0
         || PyModule_AddObjectRef(m, "Counts", (PyObject *)&CountsType) < 0
-        || PyModule_AddObjectRef(m, "Timed", (PyObject *)&TimedType) < 0) {
+        || PyModule_AddObjectRef(m, "Timed", (PyObject *)&TimedType) < 0
+        || PyModule_AddIntConstant(m, "BYTES_EVERY", BYTES_EVERY) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -2,7 +2,13 @@
 
 from typing import Any
 
+BYTES_EVERY: int
+
 def clock_ns() -> int: ...
+def kept(cls: Any, it: Any, rec: Counts, owner: Any, start_ns: int, count: Any, sized: Any,
+         quick: bool, /) -> Any: ...
+def set_tensor_type(tensor: type, /) -> None: ...
+def same_attrs(obj: Any, names: tuple[str, ...], values: tuple[Any, ...], /) -> bool: ...
 
 class Ring:
     def __init__(self, maxlen: int = ...) -> None: ...
@@ -15,11 +21,15 @@ class Ring:
 class Counts:
     batches: int
     samples: int
+    epochs: int
     last_batch_ns: int
+    first_at_ns: int
     @property
     def fetch(self) -> Ring: ...
     @property
     def step(self) -> Ring: ...
+    @property
+    def first(self) -> Ring: ...
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
     def _rings(self, maxlen: int, /) -> None: ...
 
@@ -29,6 +39,18 @@ class Timed:
     _last: int
     _mark: int
     _size: int
+    _count: Any
+    _sized: Any
+    _end: int
+    _owner: Any
+    _start: int
+    _gen: int
+    _probe: int
+    _retry: Any
+    _resume: Any
+    _done: bool
+    _quick: bool
+    def __getattr__(self, name: str) -> Any: ...
     def __iter__(self) -> Timed: ...
     def __next__(self) -> Any: ...
 

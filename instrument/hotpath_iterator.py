@@ -17,7 +17,7 @@ from collections.abc import Callable
 from time import thread_time_ns
 from typing import Any, SupportsIndex
 
-from .hotpath_base import PyTimed, Timed
+from .hotpath_base import BYTES_EVERY, Timed
 from .hotpath_batch import batch_nbytes, loader_len
 from .instruments import Instruments, reraise_torch_worker_error
 
@@ -28,15 +28,13 @@ FullBatches = tuple[int, Any]
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
-BYTES_EVERY = 256  # batches between two samples of a batch's bytes (each a walk, ~1 µs)
-
 
 class TimedIterator(Timed):
     """Times each next() of the iterator it holds; everything else passes through. The
-    per-batch part is Timed's (hotpath_base.py); this class is what happens less often."""
+    per-batch part is Timed's (hotpath_base.py), which also holds the fields set here; this
+    class is what happens less often."""
 
-    __slots__ = ("__weakref__", "_count", "_done", "_end", "_gen", "_owner", "_probe",
-                 "_resume", "_retry", "_sized", "_start")
+    __slots__ = ("__weakref__",)
 
     def __init__(self, it: Any, owner: Instruments, start_ns: int, gen: int = 0,
                  count: Counter = loader_len, sized: FullBatches | None = None,
@@ -63,6 +61,7 @@ class TimedIterator(Timed):
         self._retry: Callable[[Exception], tuple[Any, Counter] | None] | None = None
         # The tuner's mid-epoch change of a loader that resumes from its state_dict().
         self._resume: Callable[[], tuple[Any, int, Counter] | None] | None = None
+        self._quick = False  # its first batch recorded in C (hotpath_base.kept)
 
     def _exhausted(self) -> None:
         self._finish(True)
@@ -123,7 +122,7 @@ class TimedIterator(Timed):
         and everything after _end is always walked."""
         end = self._end
         if not end:
-            size, sampler = self._sized  # type: ignore[misc]
+            size, sampler = self._sized
             try:
                 full = len(sampler) // size
             except Exception:
@@ -175,14 +174,6 @@ class TimedIterator(Timed):
         a copy of its timing state would count the same batches twice."""
         self._it.__reduce_ex__(protocol)
         raise TypeError(f"cannot pickle {type(self).__name__!r} object")
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in _OWN:
-            raise AttributeError(name)
-        return getattr(self._it, name)
-
-
-_OWN = frozenset(TimedIterator.__slots__) | frozenset(PyTimed.__slots__)  # Timed's too
 
 
 class CpuTimedIterator(TimedIterator):

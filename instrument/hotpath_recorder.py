@@ -60,8 +60,10 @@ def _le(bound: float) -> str:
 
 class LoaderRecorder(Counts):
     """Everything measured for one (loader, rank); shared by loaders of one name. The
-    loop's counts and its fetch and step rings are Counts' (hotpath_base.py): batches,
-    samples, last_batch_ns (perf_counter_ns of the last batch handed out), fetch, step."""
+    loop's counts and its rings are Counts' (hotpath_base.py): batches, samples, epochs
+    (first batches), last_batch_ns and first_at_ns (perf_counter_ns of the last batch
+    handed out and of the latest epoch's first), fetch, step, first (the first batches'
+    waits since iter())."""
 
     def __init__(self, name: str, rank: str) -> None:
         self.name = name
@@ -70,12 +72,10 @@ class LoaderRecorder(Counts):
         # registry nobody reads keeps only the newest observations instead of growing.
         self._rings(MAX_UNREAD)
         self.transfer = Ring(MAX_UNREAD)
-        self.first = Ring(MAX_UNREAD)
         # False once a batch's samples could not be counted (hotpath_batch.py,
         # hotpath_workerblock.py): the total is then unknown and not exported, for the
         # rest of the process.
         self.samples_known = True
-        self.epochs = 0
         self.iters = 0  # iter()s of the loaders of this name (the tuner's check)
         self.batch_bytes = -1
         self.transfer_bytes = 0
@@ -94,7 +94,6 @@ class LoaderRecorder(Counts):
         # (CpuTimedIterator), and how many fetches it covers.
         self.fetch_cpu_ns = 0
         self.fetch_cpu_n = 0
-        self.first_at_ns = 0  # perf_counter_ns of the latest epoch's first batch
         self.on_flush: Callable[[], None] | None = None
         # Reader side.
         self.lock = threading.Lock()

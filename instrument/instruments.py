@@ -286,7 +286,7 @@ class Instruments:
             log.debug("preflight failed", exc_info=True)
         try:
             # Sampled here while unknown, and for the /dev/shm check, which only workers
-            # need; else every hotpath_iterator.BYTES_EVERY batches, across epochs.
+            # need; else every hotpath_base.BYTES_EVERY batches, across epochs.
             if self.config.num_workers:
                 rec.batch_bytes = batch_nbytes(batch)
                 self.preflight.on_first_batch(self.config, rec.batch_bytes)

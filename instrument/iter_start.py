@@ -30,6 +30,8 @@ from torch.utils.data import (
 from dataloader_exporter.core.settings import log_name
 
 from . import compat
+from .hotpath_base import kept as kept_timed
+from .hotpath_base import same_attrs, set_tensor_type
 from .hotpath_batch import batch_len, collated_len, item_len
 from .hotpath_iterator import Counter, CpuTimedIterator, FullBatches, QuietIterator, TimedIterator
 from .hotpath_workerblock import TimedCollate, new_block
@@ -38,6 +40,7 @@ from .preflight import process_shm_size
 from .torch_originals import TORCH_ITER, lazy
 
 log = logging.getLogger("dataloader_exporter.instrument")
+set_tensor_type(torch.Tensor)  # the batches hotpath_base.kept's quick path counts
 
 
 def counter_for(loader: Any) -> Counter:
@@ -110,35 +113,70 @@ class _Plan:
 PLAIN_LOADERS: set[type] = {torch.utils.data.DataLoader}
 
 
-def _settings_key(loader: Any) -> tuple[Any, ...]:
-    """What a loader's plan without workers is made of, beside what torch's DataLoader does
-    not let change after __init__ (dataset, sampler, batch_sampler, batch_size,
-    persistent_workers): the same values again mean the same plan."""
-    d = loader.__dict__
-    batches = d.get("batch_sampler")
-    return (d.get("num_workers"), d.get("prefetch_factor"), d.get("pin_memory"),
-            d.get("collate_fn"), d.get("in_order"), batches,
-            getattr(batches, "batch_size", None), getattr(batches, "sampler", None))
+_MISSING = object()
+
+# What a loader's plan without workers is made of, beside what torch's DataLoader does not
+# let change after __init__ (dataset, sampler, batch_size, persistent_workers): its
+# attributes of these names, and its batch sampler's batch_size and sampler.
+SETTINGS = ("num_workers", "prefetch_factor", "pin_memory", "collate_fn", "in_order",
+            "batch_sampler")
 
 
 class _Kept:
-    """A plan without workers kept from the last iter() (Instruments.kept): the same settings
-    (_settings_key) and /dev/shm size take it as it is, without planning again."""
+    """A plan without workers kept from the last iter() (Instruments.kept): while the
+    loader's SETTINGS are of equal values, its batch sampler's size and sampler the same,
+    and the /dev/shm size the same, an iter() takes it as it is (_kept_iter)."""
 
-    __slots__ = ("count", "key", "labels", "shm", "sized")
+    __slots__ = ("batches", "count", "labels", "sampler", "shm", "size", "sized", "values")
 
-    def __init__(self, key: tuple[Any, ...], count: Counter, sized: FullBatches | None,
+    def __init__(self, values: tuple[Any, ...], count: Counter, sized: FullBatches | None,
                  labels: dict[str, str], shm: str) -> None:
-        self.key, self.count, self.sized, self.labels, self.shm = key, count, sized, labels, shm
+        self.values, self.count, self.sized, self.labels, self.shm = (
+            values, count, sized, labels, shm)
+        self.batches = values[-1]
+        self.size = self.batches.batch_size if self.batches is not None else None
+        self.sampler = self.batches.sampler if self.batches is not None else None
+
+    @classmethod
+    def of(cls, loader: Any, count: Counter, sized: FullBatches | None,
+           labels: dict[str, str], shm: str) -> _Kept | None:
+        """The loader's plan kept, or None where it lacks one of SETTINGS or its batch
+        sampler is neither torch's BatchSampler nor None."""
+        values = tuple(getattr(loader, k, _MISSING) for k in SETTINGS)
+        batches = values[-1]
+        if any(v is _MISSING for v in values) or (
+                batches is not None and type(batches) is not BatchSampler):
+            return None
+        return cls(values, count, sized, labels, shm)
 
 
 def _kept_iter(loader: Any, instruments: Instruments, kept: _Kept, start: int) -> Any:
-    """iter() of a plain loader without workers or tuner whose plan is kept: what
-    instrumented_iter would do with it, less the planning."""
-    instruments.rec.workers.loop.tid = threading.get_native_id()
-    instruments.mark_epoch(kept.labels, True)
-    return TimedIterator(TORCH_ITER(loader), instruments, start, 0, kept.count, kept.sized,
-                         False)
+    """iter() of a plain loader without workers or tuner by its kept plan, or None where
+    the plan no longer holds: what instrumented_iter would do with it, less the planning
+    (and Instruments.mark_epoch's part, inline). Its first batch is recorded in C where
+    nothing else is due (hotpath_base.kept): the epoch's settings were checked
+    (Preflight.settled), the loader has had a first batch, and a batch's bytes are known.
+    The settings are read as getattr() does, never through loader.__dict__ (see
+    hotpath_base.same_attrs)."""
+    b = kept.batches
+    if not (same_attrs(loader, SETTINGS, kept.values)
+            and (b is None or (b.batch_size == kept.size and b.sampler is kept.sampler))
+            and kept.shm == process_shm_size()):
+        return None
+    rec = instruments.rec
+    workers = rec.workers
+    workers.loop.tid = threading.get_native_id()
+    rec.iters += 1
+    if getattr(workers.report, "__self__", None) is not instruments:
+        workers.report = instruments.failed
+    rec.config = kept.labels
+    workers.blind = False
+    if workers.active is None:
+        workers.active = 0
+    quick = (instruments.iterated and rec.batch_bytes > 0
+             and instruments.preflight.settled(instruments.config))
+    return kept_timed(TimedIterator, TORCH_ITER(loader), rec, instruments, start, kept.count,
+                      kept.sized, quick)
 
 
 def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callable[[Any], Any],
@@ -157,9 +195,10 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     start = perf_counter_ns()
     kept = instruments.kept
     if (kept is not None and torch_iter is TORCH_ITER and not quiet
-            and instruments.tuning is None and type(loader) in PLAIN_LOADERS
-            and kept.key == _settings_key(loader) and kept.shm == process_shm_size()):
-        return _kept_iter(loader, instruments, kept, start)
+            and instruments.tuning is None and type(loader) in PLAIN_LOADERS):
+        timed = _kept_iter(loader, instruments, kept, start)
+        if timed is not None:
+            return timed
     instruments.kept = None
     seed = None if quiet else instruments.at_iter(loader)
     undo = instruments.tuning.undo if instruments.tuning is not None else None
@@ -202,7 +241,7 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
             and instruments._labels is not None):
         config, shm, labels = instruments._labels
         if config is instruments.config:
-            instruments.kept = _Kept(_settings_key(loader), plan.count, sized, labels, shm)
+            instruments.kept = _Kept.of(loader, plan.count, sized, labels, shm)
     if undo is not None:  # its first batch may fail in the workers: the same epoch without
         timed._retry = _retry(loader, instruments, undo, torch_iter)
     if tuning is not None and not tuning.tuner.stable:

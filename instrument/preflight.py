@@ -165,6 +165,11 @@ class Preflight:
         if not self._advice.seen(key):
             self._advice.problem(key, "dataloader %r: " + msg, log_name(self.name), *args)
 
+    def settled(self, cfg: LoaderConfig) -> bool:
+        """Whether on_iter(cfg, any epoch) has nothing left to do or say: cfg, untuned and
+        without workers, was checked already."""
+        return cfg is self._checked and self._checked_tuned is False and not cfg.num_workers
+
     def on_iter(self, cfg: LoaderConfig, epoch: int, tuned_workers: bool = False) -> None:
         """At each iter(): the config line (first time) and config-only advice. The loader's
         epoch counts its own epochs; tuned_workers: the tuner sets num_workers from what it

@@ -96,6 +96,35 @@ def test_full_batches_are_recorded_and_the_rest_is_the_subclass(build: Any) -> N
     assert len(rec.fetch) == 0 and len(hotpath_base.drain(rec.fetch)) == 0
 
 
+class _WithState:
+    """An iterator with attributes of its own, as torch's iterators have."""
+
+    def __init__(self) -> None:
+        self._num_yielded = 0
+        self.items = iter([1, 2])
+
+    def __iter__(self) -> _WithState:
+        return self
+
+    def __next__(self) -> int:
+        self._num_yielded += 1
+        return next(self.items)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_other_attributes_are_the_iterators_but_dunder_names(build: Any) -> None:
+    rec_t, it_t = make(build)
+    inner = _WithState()
+    it = it_t(inner, rec_t("x"), mark=0, size=0)
+    assert next(it) == 1 and it._num_yielded == 1 and it.items is inner.items
+    assert it._last > 0  # its own fields stay its own
+    with pytest.raises(AttributeError):
+        it.absent  # noqa: B018
+    with pytest.raises(AttributeError):
+        it.__absent__  # noqa: B018
+    assert not hasattr(it, "__len__") and getattr(it, "__dict__", None) is None
+
+
 @pytest.mark.parametrize("build", BUILDS)
 def test_exceptions_pass_as_the_same_objects(build: Any) -> None:
     rec_t, it_t = make(build)
