@@ -152,27 +152,19 @@ class _Kept:
 
 def _kept_iter(loader: Any, instruments: Instruments, kept: _Kept, start: int) -> Any:
     """iter() of a plain loader without workers or tuner by its kept plan, or None where
-    the plan no longer holds: what instrumented_iter would do with it, less the planning
-    (and Instruments.mark_epoch's part, inline). Its first batch is recorded in C where
-    nothing else is due (hotpath_base.kept): the epoch's settings were checked
-    (Preflight.settled), the loader has had a first batch, and a batch's bytes are known.
-    The settings are read as getattr() does, never through loader.__dict__ (see
-    hotpath_base.same_attrs)."""
+    the plan no longer holds: what instrumented_iter would do with it, less the planning.
+    Its first batch is recorded in C where nothing else is due (hotpath_base.kept): the
+    epoch's settings were checked (Preflight.settled), the loader has had a first batch,
+    and a batch's bytes are known. The settings are read as getattr() does, never through
+    loader.__dict__ (see hotpath_base.same_attrs)."""
     b = kept.batches
     if not (same_attrs(loader, SETTINGS, kept.values)
             and (b is None or (b.batch_size == kept.size and b.sampler is kept.sampler))
             and kept.shm == process_shm_size()):
         return None
     rec = instruments.rec
-    workers = rec.workers
-    workers.loop.tid = threading.get_native_id()
-    rec.iters += 1
-    if getattr(workers.report, "__self__", None) is not instruments:
-        workers.report = instruments.failed
-    rec.config = kept.labels
-    workers.blind = False
-    if workers.active is None:
-        workers.active = 0
+    rec.workers.loop.tid = threading.get_native_id()
+    instruments.mark_epoch(kept.labels, True)
     quick = (instruments.iterated and rec.batch_bytes > 0
              and instruments.preflight.settled(instruments.config))
     return kept_timed(TimedIterator, TORCH_ITER(loader), rec, instruments, start, kept.count,
