@@ -12,7 +12,7 @@ NOTORCH_STAMP := $(NOTORCH)/.installed
 
 .PHONY: demo test lint typecheck unit notorch quick prometheus bench clean docs
 
-$(STAMP): pyproject.toml setup.py instrument/_hotpath.c
+$(STAMP): pyproject.toml setup.py instrument/hotpath/_hotpath.c
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet --disable-pip-version-check "torch==$(TORCH_VERSION)"
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml setup.py instrument/_hotpath.c
 	$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)' and 'torch was replaced: ' + torch.__version__)"
 	touch $(STAMP)
 
-$(NOTORCH_STAMP): pyproject.toml setup.py instrument/_hotpath.c
+$(NOTORCH_STAMP): pyproject.toml setup.py instrument/hotpath/_hotpath.c
 	$(PYTHON) -m venv $(NOTORCH)
 	$(NOTORCH)/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dashboards,dev]"
 	# Nothing installed there brought torch along.
@@ -44,7 +44,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check $(CODE) tests bench examples tools
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy dataloader_exporter
+	$(PY) tools/typecheck.py
 
 # Each test runs once: those marked torch here, the others without torch (notorch).
 unit: $(STAMP) prometheus

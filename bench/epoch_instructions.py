@@ -45,7 +45,7 @@ def child(which: str, epochs: int, without: list[str]) -> None:
 
     from dataloader_exporter import instrument
     from dataloader_exporter.instrument import iter_start
-    from dataloader_exporter.instrument.hotpath_iterator import TimedIterator
+    from dataloader_exporter.instrument.hotpath.iterator import TimedIterator
     from dataloader_exporter.instrument.torch_originals import TORCH_ITER
 
     ds = overhead.make_dataset(64)

@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry
 from torch.utils.data import DataLoader, TensorDataset
 
 from dataloader_exporter import instrument
-from dataloader_exporter.instrument import hotpath_base
+from dataloader_exporter.instrument.hotpath import base as hotpath_base
 
 BATCHES = 2000  # per round and variant
 

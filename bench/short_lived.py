@@ -41,8 +41,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core.envnames import ENV_DIR
-from dataloader_exporter.instrument import zerocode_hooks, zerocode_registry
 from dataloader_exporter.instrument.torch_originals import TORCH_INIT, TORCH_ITER
+from dataloader_exporter.instrument.zerocode import hooks as zerocode_hooks
+from dataloader_exporter.instrument.zerocode import registry as zerocode_registry
 
 MAX_ADDED_MS = 0.2  # without workers
 MAX_RATIO = 1.02  # with workers

@@ -24,9 +24,9 @@ from . import kubernetes, recording
 from .alert_cases import CASES
 from .alerting import grafana_rules, prometheus_rules, promtool_tests
 from .alerts import ALERTS
-from .board_gpu import GPU_BOARD
-from .board_jobs import JOBS_BOARD
-from .board_overview import OVERVIEW
+from .boards.gpu import GPU_BOARD
+from .boards.jobs import JOBS_BOARD
+from .boards.overview import OVERVIEW
 from .model import DATASOURCE_UID, DATASOURCE_URL, FOLDER, Board
 from .render import render
 

@@ -29,7 +29,7 @@ from dataloader_exporter.diagnosis.doctor import Diagnosis, diagnose
 from dataloader_exporter.diagnosis.machine import local_machine
 from dataloader_exporter.diagnosis.signals import Scrape, Window, loaders
 from dataloader_exporter.instrument.rank import current_rank
-from dataloader_exporter.instrument.tuner_epoch import MIN_BATCHES
+from dataloader_exporter.instrument.tuner.epoch import MIN_BATCHES
 
 BATCH = 32
 UNSETTLED = 24  # epochs after which a tuner that has not settled is measured as it is

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core.settings import TUNABLE
-from dataloader_exporter.core.tuner_rules import REASONS
+from dataloader_exporter.core.tuner.rules import REASONS
 
 Series = Mapping[tuple[str, tuple[tuple[str, str], ...]], float]
 TRYING, STABLE = "trying", "stable"

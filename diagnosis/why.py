@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from dataloader_exporter.core import advisor, bands
-from dataloader_exporter.core.tuner_model import Load, choose
+from dataloader_exporter.core.tuner.model import Load, choose
 from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.signals import LoaderSignals
 from dataloader_exporter.diagnosis.units import gib, pct

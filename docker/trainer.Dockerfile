@@ -5,7 +5,7 @@ ARG TORCH_VERSION=2.13.0
 # The CPU wheel index keeps the image small; point it at a CUDA index for GPU images.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
-# gcc builds the per-batch path's C extension (instrument/_hotpath.c); the final stage
+# gcc builds the per-batch path's C extension (instrument/hotpath/_hotpath.c); the final stage
 # takes only the venv.
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -13,13 +13,8 @@ RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
     && /opt/venv/bin/pip install numpy
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
-COPY dataloader_exporter ./dataloader_exporter
-COPY core ./core
-COPY exporter ./exporter
-COPY diagnosis ./diagnosis
-COPY instrument ./instrument
-COPY dashboards ./dashboards
+# The checkout less .dockerignore's entries; setup.py finds the packages.
+COPY . .
 RUN /opt/venv/bin/pip install ".[torch]"
 
 FROM python:3.11-slim

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # loaded on first use only: the drop-in does not pay for them
 
     from .snapshot_writer import SnapshotWriter
 
-from .hotpath_recorder import LoaderRecorder
+from .hotpath.recorder import LoaderRecorder
 from .rank import local_rank
 
 T = TypeVar("T")

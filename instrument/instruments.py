@@ -23,15 +23,15 @@ from dataloader_exporter.core.settings import SettingsError, log_name
 
 from . import compat, envsettings, failure_causes
 from .failure_causes import from_exitcode
-from .hotpath_batch import batch_nbytes
-from .hotpath_recorder import LoaderRecorder
-from .hotpath_transfer import timed_to_device
+from .hotpath.batch import batch_nbytes
+from .hotpath.recorder import LoaderRecorder
+from .hotpath.transfer import timed_to_device
 from .hub import Hub, hub_for
 from .preflight import LoaderConfig, Preflight, process_shm_size
 from .rank import current_rank, local_world_size
 
 if TYPE_CHECKING:  # the tuner is loaded for a tuned loader only
-    from .tuner_loop import LoaderTuning
+    from .tuner.loop import LoaderTuning
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
@@ -130,7 +130,7 @@ class Instruments:
                     type(loader).__qualname__)
                 return None
             try:
-                from .tuner_loop import LoaderTuning
+                from .tuner.loop import LoaderTuning
 
                 self.tuning = LoaderTuning(self.name, knobs, loader, self.rec)
             except Exception:  # the tuner must never stop training

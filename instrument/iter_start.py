@@ -1,6 +1,6 @@
 """iter() of an instrumented loader: through the loader's own __iter__, its new workers
-given their one hook (hotpath_workerblock.py) while they start, and the TimedIterator
-(hotpath_iterator.py) the loop then takes. Runs once per iter(), never per batch.
+given their one hook (hotpath/workerblock.py) while they start, and the TimedIterator
+(hotpath/iterator.py) the loop then takes. Runs once per iter(), never per batch.
 """
 
 from __future__ import annotations
@@ -30,17 +30,14 @@ from torch.utils.data import (
 from dataloader_exporter.core.settings import log_name
 
 from . import compat
-from .hotpath_base import kept as kept_timed
-from .hotpath_base import same_attrs, set_tensor_type
-from .hotpath_batch import batch_len, collated_len, item_len
-from .hotpath_iterator import Counter, CpuTimedIterator, FullBatches, QuietIterator, TimedIterator
-from .hotpath_workerblock import TimedCollate, new_block
+from .hotpath.batch import batch_len, collated_len, item_len
+from .hotpath.iterator import Counter, FullBatches, QuietIterator, TimedIterator
+from .hotpath.workerblock import TimedCollate, new_block
 from .instruments import Instruments
 from .preflight import process_shm_size
 from .torch_originals import TORCH_ITER, lazy
 
 log = logging.getLogger("dataloader_exporter.instrument")
-set_tensor_type(torch.Tensor)  # the batches hotpath_base.kept's quick path counts
 
 
 def counter_for(loader: Any) -> Counter:
@@ -62,7 +59,7 @@ def fixed_size(loader: Any) -> FullBatches | None:
     batch size, in order, and the sampler yields len(sampler) indices: torch's
     BatchSampler over one of EXACT_SAMPLERS, a dataset fetched one sample per index (no
     __getitems__ of its own, or a Subset of such), and with workers, in_order. Else None:
-    each batch is walked (hotpath_iterator.TimedIterator._arm)."""
+    each batch is walked (TimedIterator._arm)."""
     batches = getattr(loader, "batch_sampler", None)
     if type(batches) is not BatchSampler:
         return None
@@ -100,7 +97,7 @@ class _Plan:
             if verify:  # the main process checks a custom collate_fn's count itself
                 self.collate = TimedCollate(loader.collate_fn, None, True, True,
                                             instruments.rec.miscount)
-        elif not self.reused:  # new workers: their one hook (hotpath_workerblock.py)
+        elif not self.reused:  # new workers: their one hook (hotpath/workerblock.py)
             instruments.before_pool()
             self.block = new_block(workers)
             self.collate = TimedCollate(loader.collate_fn, self.block,
@@ -150,25 +147,45 @@ class _Kept:
         return cls(values, count, sized, labels, shm)
 
 
+def _same_settings(loader: Any, values: tuple[Any, ...]) -> bool:
+    """Whether the loader's SETTINGS still hold these values. Read as getattr() does,
+    never through loader.__dict__: once asked for, an instance's __dict__ slows every
+    later attribute read of it in CPython 3.11 (torch's own iter() of the loader by about
+    6,000 instructions)."""
+    for name, value in zip(SETTINGS, values, strict=True):
+        v = getattr(loader, name, _MISSING)
+        if v is not value and (v is _MISSING or v != value):
+            return False
+    return True
+
+
 def _kept_iter(loader: Any, instruments: Instruments, kept: _Kept, start: int) -> Any:
     """iter() of a plain loader without workers or tuner by its kept plan, or None where
-    the plan no longer holds: what instrumented_iter would do with it, less the planning.
-    Its first batch is recorded in C where nothing else is due (hotpath_base.kept): the
-    epoch's settings were checked (Preflight.settled), the loader has had a first batch,
-    and a batch's bytes are known. The settings are read as getattr() does, never through
-    loader.__dict__ (see hotpath_base.same_attrs)."""
+    the plan no longer holds: what instrumented_iter would do with it, less the planning."""
     b = kept.batches
-    if not (same_attrs(loader, SETTINGS, kept.values)
+    if not (_same_settings(loader, kept.values)
             and (b is None or (b.batch_size == kept.size and b.sampler is kept.sampler))
             and kept.shm == process_shm_size()):
         return None
-    rec = instruments.rec
-    rec.workers.loop.tid = threading.get_native_id()
+    instruments.rec.workers.loop.tid = threading.get_native_id()
     instruments.mark_epoch(kept.labels, True)
-    quick = (instruments.iterated and rec.batch_bytes > 0
-             and instruments.preflight.settled(instruments.config))
-    return kept_timed(TimedIterator, TORCH_ITER(loader), rec, instruments, start, kept.count,
-                      kept.sized, quick)
+    return TimedIterator(TORCH_ITER(loader), instruments, start, 0, kept.count, kept.sized)
+
+
+def timed_iterator(it: Any, instruments: Instruments, start: int, gen: int, count: Counter,
+                   sized: FullBatches | None = None, cpu: bool = False) -> TimedIterator:
+    """The iterator the loop takes from torch's (or a held loader's) `it`: a
+    TimedIterator, or for a loader the tuner works on its TunedIterator (loaded on first
+    use; cpu: one that also reads the loop thread's CPU time in each fetch, for a pool
+    without workers)."""
+    tuning = instruments.tuning
+    if tuning is None:
+        return TimedIterator(it, instruments, start, gen, count, sized)
+    from .tuner.iterator import CpuTunedIterator, TunedIterator
+
+    tuning_now = not tuning.tuner.stable  # instruments.tuning_now
+    kind = CpuTunedIterator if cpu and tuning_now else TunedIterator
+    return kind(it, instruments, start, gen, count, sized, tuning_now)
 
 
 def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callable[[Any], Any],
@@ -196,7 +213,7 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     undo = instruments.tuning.undo if instruments.tuning is not None else None
     torch_iter_as_is = torch_iter
     if seed is not None:  # the tuner shut the persistent pool down: a new one, same order
-        from .tuner_order import fresh_seed
+        from .tuner.order import fresh_seed
 
         torch_iter = fresh_seed(torch_iter, seed)
     try:
@@ -224,23 +241,27 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     if quiet:
         return QuietIterator(it, instruments, start, gen, plan.count)
     tuning_now = tuning is not None and not tuning.tuner.stable  # instruments.tuning_now
-    kind = CpuTimedIterator if not plan.workers and tuning_now else TimedIterator
     sized = (fixed_size(loader) if plan.count is collated_len and torch_iter_as_is is TORCH_ITER
              and undo is None and not tuning_now else None)
-    timed = kind(it, instruments, start, gen, plan.count, sized, tuning_now)
+    timed = timed_iterator(it, instruments, start, gen, plan.count, sized, not plan.workers)
     if (not plan.workers and plan.collate is None and tuning is None and seed is None
             and torch_iter_as_is is TORCH_ITER and type(loader) in PLAIN_LOADERS
             and instruments._labels is not None):
         config, shm, labels = instruments._labels
         if config is instruments.config:
             instruments.kept = _Kept.of(loader, plan.count, sized, labels, shm)
+    if tuning is None:
+        return timed
+    from .tuner.iterator import TunedIterator
+
+    assert isinstance(timed, TunedIterator)
     if undo is not None:  # its first batch may fail in the workers: the same epoch without
         timed._retry = _retry(loader, instruments, undo, torch_iter)
-    if tuning is not None and not tuning.tuner.stable:
+    if tuning_now:
         if tuning.resumable:
             timed._resume = _resumer(loader, instruments, torch_iter)
         elif tuning.midepoch:
-            from .tuner_switch import switcher
+            from .tuner.switch import switcher
 
             timed._resume = switcher(loader, instruments, timed, torch_iter,
                                      functools.partial(_again, loader, instruments))

@@ -22,13 +22,15 @@ import torch.utils.data
 
 from dataloader_exporter.core.settings import log_name
 
-from . import envsettings, iter_start, zerocode_hooks, zerocode_registry
-from .hotpath_batch import loader_len, move
-from .hotpath_iterator import TimedIterator
+from . import envsettings, iter_start
+from .hotpath.batch import loader_len, move
+from .hotpath.iterator import TimedIterator
 from .instruments import Instruments
-from .iter_start import instrumented_iter
+from .iter_start import instrumented_iter, timed_iterator
 from .torch_originals import TORCH_ITER
-from .zerocode_holders import held_loaders
+from .zerocode import hooks as zerocode_hooks
+from .zerocode import registry as zerocode_registry
+from .zerocode.holders import held_loaders
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -123,7 +125,7 @@ class WrappedLoader:
             start = perf_counter_ns()
             instruments.start_epoch(self.loader)
             it = iter(self.loader)
-        return TimedIterator(it, instruments, start, instruments.track(it, None), loader_len)
+        return timed_iterator(it, instruments, start, instruments.track(it, None), loader_len)
 
     def __repr__(self) -> str:
         return f"<dataloader_exporter.wrap of {self.loader!r}>"

@@ -23,7 +23,7 @@ from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core import seriesmode
 from dataloader_exporter.exporter.collectors.base import family
 
-from .hotpath_recorder import LoaderRecorder
+from .hotpath.recorder import LoaderRecorder
 
 TRAINER_METRICS: tuple[cat.Metric, ...] = tuple(m for m in cat.ALL if m.source == cat.TRAINER)
 _STEP_LES = frozenset((*(repr(float(b)) for b in cat.STEP.buckets), "+Inf"))

@@ -44,7 +44,8 @@ from .failure_causes import (
     shm_full,
     signal_name,
 )
-from .hotpath_workerblock import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED, own_figures
+from .hotpath.layout import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED
+from .hotpath.workerblock import own_figures
 from .procstat import Figures, LoopAccount, ProcAccount
 
 

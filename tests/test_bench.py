@@ -11,7 +11,7 @@ import sys
 import pytest
 from support.procs import REPO
 
-from dataloader_exporter.core.tuner_rules import REASONS
+from dataloader_exporter.core.tuner.rules import REASONS
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 

@@ -407,14 +407,14 @@ def _t(*shape: int) -> torch.Tensor:
 ])
 def test_sample_counts_are_given_only_where_the_batch_shows_them(
         batch: Any, custom: int | None, item: int | None) -> None:
-    from dataloader_exporter.instrument.hotpath_batch import batch_len, item_len, loader_len
+    from dataloader_exporter.instrument.hotpath.batch import batch_len, item_len, loader_len
 
     assert batch_len(batch) == loader_len(batch) == custom
     assert item_len(batch) == item
 
 
 def test_default_collate_is_counted_by_its_first_column_whatever_the_sample() -> None:
-    from dataloader_exporter.instrument.hotpath_batch import collated_len
+    from dataloader_exporter.instrument.hotpath.batch import collated_len
 
     samples = [{"text": f"r{i}", "ids": [i, i + 1], "label": i % 2, "raw": b"x"}
                for i in range(5)]

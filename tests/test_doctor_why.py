@@ -11,7 +11,7 @@ import pytest
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core.settings import for_loader, parse
-from dataloader_exporter.core.tuner_model import Load, choose
+from dataloader_exporter.core.tuner.model import Load, choose
 from dataloader_exporter.diagnosis import tuner_report, why
 from dataloader_exporter.diagnosis.doctor import Diagnosis
 from dataloader_exporter.diagnosis.machine import Machine

@@ -17,9 +17,10 @@ from prometheus_client import CollectorRegistry
 from support.procs import REPO, SCRIPTS, Run, built_at, run_script
 from support.required import require_module
 
-from dataloader_exporter.core import advisor, tuner_model
+from dataloader_exporter.core import advisor
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.instrument import zerocode_registry
+from dataloader_exporter.core.tuner import model as tuner_model
+from dataloader_exporter.instrument.zerocode import registry as zerocode_registry
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 

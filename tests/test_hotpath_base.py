@@ -16,14 +16,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dataloader_exporter.instrument import hotpath_base
+from dataloader_exporter.instrument.hotpath import base as hotpath_base
 
 pytestmark = pytest.mark.torch  # the instrument package (its hot path's modules)
 
 BUILDS = [pytest.param((hotpath_base.PyRing, hotpath_base.PyCounts, hotpath_base.PyTimed),
                        id="python")]
 try:
-    from dataloader_exporter.instrument import _hotpath
+    from dataloader_exporter.instrument.hotpath import _hotpath
 
     BUILDS.append(pytest.param((_hotpath.Ring, _hotpath.Counts, _hotpath.Timed), id="c"))
 except ImportError:  # test_the_c_build_is_what_runs says why
@@ -34,17 +34,38 @@ def test_the_c_build_is_what_runs() -> None:
     """The project's install builds the extension (setup.py; gcc and the Python headers
     are on these machines): a silent fall back to Python would cost every batch."""
     assert os.environ.get(hotpath_base.PURE_PYTHON_ENV) is None
-    assert hotpath_base.NATIVE, "instrument/_hotpath.c was not built: pip install -e ."
-    assert hotpath_base.Timed.__module__ == "dataloader_exporter.instrument._hotpath"
+    assert hotpath_base.NATIVE, "instrument/hotpath/_hotpath.c was not built: pip install -e ."
+    assert hotpath_base.Timed.__module__ == "dataloader_exporter.instrument.hotpath._hotpath"
+
+
+@pytest.mark.skipif(not hotpath_base.NATIVE, reason="the C build is missing (see above)")
+def test_the_c_build_holds_only_the_per_batch_state() -> None:
+    """The clock's readings, the rings, the loop's counters and a worker's row: nothing a
+    subclass, the first batch or the tuner needs, so a Python field never touches C."""
+    assert {n for n in dir(_hotpath) if not n.startswith("_")} == {
+        "Ring", "Counts", "Timed", "beat"}
+    assert {n for n in dir(_hotpath.Timed) if n.startswith("_") and not n.startswith("__")
+            } == {"_it", "_rec", "_last", "_mark", "_size"}
+    counts = _hotpath.Counts()
+    assert counts.fetch is None and counts.step is None  # its subclass sets its rings
+    timed = _hotpath.Timed()
+    with pytest.raises(TypeError, match="with its rings set"):
+        timed._rec = counts
+    with pytest.raises(TypeError, match="must be a Ring"):
+        counts.fetch = [1, 2]
+    counts.fetch, counts.step = _hotpath.Ring(4), _hotpath.Ring(4)
+    timed._rec = counts
+    with pytest.raises(TypeError):
+        _hotpath.Ring()  # no default size: the recorder says it (MAX_UNREAD)
 
 
 def make(build: tuple[Any, Any, Any]) -> tuple[Any, Any]:
-    _, counts, timed = build
+    ring, counts, timed = build
 
     class Rec(counts):  # type: ignore[misc, valid-type]
         def __init__(self, name: str) -> None:
             self.name = name
-            self._rings(8)
+            self.fetch, self.step = ring(8), ring(8)
 
     class It(timed):  # type: ignore[misc, valid-type]
         __slots__ = ("calls",)
@@ -239,7 +260,7 @@ def test_the_python_build_runs_a_loader_the_same(tmp_path: Path) -> None:
         "import torch\n"
         "from prometheus_client import CollectorRegistry\n"
         "from dataloader_exporter import instrument\n"
-        "from dataloader_exporter.instrument import hotpath_base\n"
+        "from dataloader_exporter.instrument.hotpath import base as hotpath_base\n"
         "assert not hotpath_base.NATIVE\n"
         "ds = torch.utils.data.TensorDataset(torch.arange(50.0))\n"
         "reg = CollectorRegistry()\n"
@@ -269,7 +290,7 @@ def test_the_python_build_runs_a_loader_the_same(tmp_path: Path) -> None:
 def test_a_workers_beat_writes_its_row_the_same_in_both_builds() -> None:
     """_hotpath.beat (by the row's address) and py_beat (on a numpy view) write the same
     fields of a worker's row: counts, pid, clocks, run-queue wait and the first batch's."""
-    from dataloader_exporter.instrument import hotpath_workerblock as wb
+    from dataloader_exporter.instrument.hotpath import workerblock as wb
 
     block = wb.new_block(2)
     rows = block.numpy()
@@ -316,7 +337,7 @@ def test_a_pickled_collate_takes_the_build_of_the_process_that_unpickles_it(
     """A spawned worker unpickles the loader's TimedCollate: it binds its row the way its
     own build can (the C build by the row's address, found again there; the Python build
     by a numpy view), whatever the trainer's build was."""
-    from dataloader_exporter.instrument import hotpath_workerblock as wb
+    from dataloader_exporter.instrument.hotpath import workerblock as wb
 
     sent = pickle.dumps(wb.TimedCollate(list, wb.new_block(2), True))
     for native in (True, False):

@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import support.namespace as namespace
+from support.namespace import NS, REPO
 
-REPO = Path(__file__).resolve().parents[1]
-NS = "dataloader_exporter"
-ROOT = REPO / NS  # core/, exporter/, ... are reached through its links, as installed
 PACKAGES = ("core", "exporter", "diagnosis", "instrument", "dashboards")
 THIRD_PARTY = {"torch", "numpy", "grafanalib", "prometheus_client", "pynvml", "psutil", "yaml",
                "bcrypt"}
@@ -39,11 +38,17 @@ SERVING = {"exporter.web.server", "exporter.web.connection", "exporter.web.pacer
 
 
 def _name(path: Path) -> str:
-    """The dotted name of a module under ROOT, without the namespace."""
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+    """The dotted name a module is installed under, without the namespace ("" for the
+    namespace's own __init__)."""
+    return namespace.module_name(path)[len(NS) + 1:]
+
+
+# Every module and package of ours, by its dotted name as installed.
+KNOWN = {namespace.module_name(p) for p in namespace.all_files((".py", ".pyi"))}
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(REPO))
 
 
 def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
@@ -59,7 +64,8 @@ def imported(path: Path, top_level_only: bool = False, module: str | None = None
     """Every module `path` imports (absolute dotted names; a relative import made
     absolute; `from P import m` gives P.m where m is a module, else P). With
     top_level_only, the imports a module runs when it is imported: not those inside
-    functions or under `if TYPE_CHECKING:`. `module` names a file outside ROOT."""
+    functions or under `if TYPE_CHECKING:`. `module` names a file outside the namespace
+    (without NS)."""
     module = module or _name(path)
     tree = ast.parse(path.read_text(), str(path))
     nodes: list[ast.AST] = []
@@ -89,15 +95,13 @@ def imported(path: Path, top_level_only: bool = False, module: str | None = None
                 if base == NS:  # the namespace's own names: __version__, the drop-in
                     found.add(sub)
                     continue
-                is_module = sub.startswith(NS + ".") and (
-                    (ROOT / Path(*sub.split(".")[1:])).with_suffix(".py").exists()
-                    or (ROOT / Path(*sub.split(".")[1:]) / "__init__.py").exists())
+                is_module = sub in KNOWN
                 found.add(sub if is_module else base)
     return found
 
 
 def modules(package: str) -> list[Path]:
-    return sorted((ROOT / package).rglob("*.py"))
+    return namespace.files(package)
 
 
 def ours(name: str) -> str | None:
@@ -105,11 +109,15 @@ def ours(name: str) -> str | None:
     return name[len(NS) + 1:] if name.startswith(NS + ".") else None
 
 
-def test_the_namespace_reaches_every_top_level_folder_through_its_links() -> None:
+def test_the_namespace_maps_every_top_level_folder_and_git_tracks_no_link() -> None:
+    assert set(namespace.ROOTS) == set(PACKAGES)
     for package in PACKAGES:
-        link = ROOT / package
-        assert link.is_symlink() and link.resolve() == (REPO / package).resolve(), package
-        assert (link / "__init__.py").exists(), package
+        assert (REPO / package / "__init__.py").is_file(), package
+        assert not (REPO / NS / package).exists(), f"{NS}/{package} would shadow {package}/"
+    tracked = subprocess.run(["git", "ls-files", "-s"], capture_output=True, text=True,
+                             cwd=REPO, check=True).stdout.splitlines()
+    links = [line.split("\t", 1)[1] for line in tracked if line.startswith("120000")]
+    assert not links, links
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -130,15 +138,15 @@ def test_each_package_imports_only_what_it_may(package: str) -> None:
             else:
                 ok = top in sys.stdlib_module_names or top in allowed_others
             if not ok:
-                broken.add(f"{path.relative_to(ROOT)} imports {name}")
+                broken.add(f"{_rel(path)} imports {name}")
     assert not broken, sorted(broken)
 
 
 def test_no_module_imports_a_bare_package_name_a_users_file_could_shadow() -> None:
     bare = {"core", "exporter", "instrument", "diagnosis", "dashboards", "catalogue"}
-    broken = {f"{p.relative_to(ROOT)} imports {n}" for package in PACKAGES
+    broken = {f"{_rel(p)} imports {n}" for package in PACKAGES
               for p in modules(package) for n in imported(p) if n.split(".")[0] in bare}
-    broken |= {f"{p.name} imports {n}" for p in ROOT.glob("*.py") for n in imported(p)
+    broken |= {f"{p.name} imports {n}" for p in modules(NS) for n in imported(p)
                if n.split(".")[0] in bare}
     assert not broken, sorted(broken)
 
@@ -160,14 +168,14 @@ def test_no_script_test_or_benchmark_imports_a_bare_package_name() -> None:
 
 
 def test_the_trainer_side_loads_the_server_only_to_serve() -> None:
-    broken = {f"{p.relative_to(ROOT)} imports {n}" for p in modules("instrument")
+    broken = {f"{_rel(p)} imports {n}" for p in modules("instrument")
               for n in imported(p, top_level_only=True)
               if (ours(n) or "") in SERVING or (ours(n) or "").startswith("diagnosis")}
     assert not broken, sorted(broken)
 
 
 def test_the_core_imports_the_standard_library_only() -> None:
-    broken = {f"{p.relative_to(ROOT)} imports {n}" for p in modules("core")
+    broken = {f"{_rel(p)} imports {n}" for p in modules("core")
               for n in imported(p) if ours(n) is None and
               n.split(".")[0] not in sys.stdlib_module_names}
     assert not broken, sorted(broken)
@@ -177,7 +185,7 @@ def import_graph() -> dict[str, set[str]]:
     """Module -> the modules of ours it imports anywhere: at the top, in a function (a
     lazy import is a dependency all the same) or for type checking."""
     graph: dict[str, set[str]] = {}
-    for path in [*ROOT.glob("*.py"), *(p for pkg in PACKAGES for p in modules(pkg))]:
+    for path in [*modules(NS), *(p for pkg in PACKAGES for p in modules(pkg))]:
         if "autorun" in path.parts:
             continue
         name = _name(path)
@@ -295,18 +303,19 @@ DROP_IN_MAY_LOAD = {f"{NS}.{m}" if m else NS for m in (
     "", "core", "core.advisor", "core.bands", "core.catalogue", "core.envnames", "core.facts",
     "core.facts.cgroup", "core.facts.cores", "core.facts.memory", "core.facts.shm",
     "core.logonce", "core.problems", "core.settings", "instrument", "instrument.compat",
-    "instrument.envsettings", "instrument.failure_causes", "instrument._hotpath",
-    "instrument.hotpath_base", "instrument.hotpath_batch",
-    "instrument.hotpath_iterator", "instrument.hotpath_recorder", "instrument.hotpath_transfer",
-    "instrument.hotpath_workerblock", "instrument.hub", "instrument.instruments",
-    "instrument.iter_start", "instrument.loader", "instrument.naming", "instrument.preflight",
-    "instrument.procstat", "instrument.rank", "instrument.rank_gpu", "instrument.serve",
-    "instrument.torch_originals", "instrument.worker_tracker", "instrument.zerocode_holders",
-    "instrument.zerocode_hooks", "instrument.zerocode_registry")}
+    "instrument.envsettings", "instrument.failure_causes", "instrument.hotpath",
+    "instrument.hotpath._hotpath", "instrument.hotpath.base", "instrument.hotpath.batch",
+    "instrument.hotpath.iterator", "instrument.hotpath.layout", "instrument.hotpath.recorder",
+    "instrument.hotpath.transfer", "instrument.hotpath.workerblock", "instrument.hub",
+    "instrument.instruments", "instrument.iter_start", "instrument.loader", "instrument.naming",
+    "instrument.preflight", "instrument.procstat", "instrument.rank", "instrument.rank_gpu",
+    "instrument.serve", "instrument.torch_originals", "instrument.worker_tracker",
+    "instrument.zerocode", "instrument.zerocode.holders", "instrument.zerocode.hooks",
+    "instrument.zerocode.registry")}
 LOADED_ON_FIRST_USE = ("prometheus_client", "http", "wsgiref", "socketserver", "asyncio",
                        f"{NS}.exporter", f"{NS}.diagnosis", f"{NS}.dashboards",
-                       f"{NS}.instrument.tuner_", f"{NS}.instrument.snapshot_writer",
-                       f"{NS}.instrument.loader_collector", f"{NS}.core.tuner_")
+                       f"{NS}.instrument.tuner", f"{NS}.instrument.snapshot_writer",
+                       f"{NS}.instrument.loader_collector", f"{NS}.core.tuner")
 
 
 @pytest.mark.torch  # it builds a loader and takes a batch
@@ -319,19 +328,21 @@ def test_the_drop_in_and_its_first_batch_load_only_what_the_hot_path_needs() -> 
                              "batch = next(iter(L(ds, batch_size=2)))")
     ours_loaded = {m for m in new if m.split(".")[0] == NS}
     assert ours_loaded <= DROP_IN_MAY_LOAD, sorted(ours_loaded - DROP_IN_MAY_LOAD)
-    assert f"{NS}.instrument.hotpath_iterator" in ours_loaded
+    assert f"{NS}.instrument.hotpath.iterator" in ours_loaded
     early = sorted(m for m in new if m.startswith(LOADED_ON_FIRST_USE))
     assert not early, early
     others = sorted(m for m in new if m.split(".")[0] not in (NS, "torch", "numpy"))
     assert not others, others
 
 
-def test_no_module_name_repeats_across_the_packages() -> None:
-    """A module's file name says what it holds wherever it is seen (a traceback, an editor
-    tab, a log line), so no two modules of ours share one; only __init__.py repeats."""
-    seen: dict[str, list[str]] = {}
-    for path in [*ROOT.glob("*.py"), *(p for pkg in PACKAGES for p in modules(pkg))]:
-        if path.name != "__init__.py":
-            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
-    repeated = {name: paths for name, paths in seen.items() if len(paths) > 1}
-    assert not repeated, repeated
+def test_a_concept_has_a_folder_not_a_name_prefix() -> None:
+    """Modules that share a name prefix in one folder (hotpath_base, hotpath_batch,
+    hotpath_iterator...) are a concept that wants its own folder (hotpath/base.py, ...):
+    no prefix is shared by three modules of a folder."""
+    by_prefix: dict[tuple[str, str], list[str]] = {}
+    for path in namespace.all_files():
+        stem = path.stem
+        if "_" in stem.strip("_"):
+            by_prefix.setdefault((_rel(path.parent), stem.split("_")[0]), []).append(stem)
+    crowded = {k: v for k, v in by_prefix.items() if len(v) >= 3}
+    assert not crowded, crowded

@@ -13,7 +13,7 @@ from support.torch_helpers import BurnDataset, SleepDataset
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
-from dataloader_exporter.instrument.hotpath_recorder import DurationHistogram
+from dataloader_exporter.instrument.hotpath.recorder import DurationHistogram
 from dataloader_exporter.instrument.loader_collector import _exported
 
 pytestmark = pytest.mark.torch

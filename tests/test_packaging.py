@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import support.namespace as namespace
 from support.procs import REPO, Exporter
 
 from dataloader_exporter.core import catalogue as cat
@@ -48,16 +49,20 @@ def test_the_image_installs_no_torch_and_copies_only_files_that_exist() -> None:
             assert (REPO / src).exists(), src
 
 
-def test_both_images_copy_every_folder_the_namespace_links_to() -> None:
-    """dataloader_exporter/ reaches core/, exporter/, ... through relative links, which
-    COPY keeps as links: the folders must be copied beside it for `pip install .`."""
-    linked = {p.name for p in (REPO / "dataloader_exporter").iterdir() if p.is_symlink()}
-    assert linked == {"core", "exporter", "instrument", "diagnosis", "dashboards"}, linked
+def test_both_images_copy_the_checkout_and_ignore_none_of_what_the_wheel_needs() -> None:
+    """The images copy the build context whole (`COPY . .`), so no list of folders there
+    follows the tree; .dockerignore leaves in every folder setup.py maps into the
+    namespace, and setup.py and pyproject.toml."""
+    needed = {"setup.py", "pyproject.toml", "README.md", namespace.NS, *namespace.ROOTS}
+    ignored = {line.strip().rstrip("/") for line in
+               (REPO / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert not needed & ignored, needed & ignored
     for dockerfile in (REPO / "Dockerfile", REPO / "docker" / "trainer.Dockerfile"):
         text = re.sub(r"\\\n", " ", dockerfile.read_text())
-        copied = {line.split()[1] for line in text.splitlines()
-                  if line.startswith("COPY ") and "--from" not in line}
-        assert linked | {"dataloader_exporter"} <= copied, (dockerfile.name, copied)
+        copies = [line.split()[1:] for line in text.splitlines()
+                  if line.startswith("COPY ") and "--from" not in line]
+        assert [".", "."] in copies, (dockerfile.name, copies)
 
 
 PIP = ("-m", "pip", "install", "--quiet", "--disable-pip-version-check")
@@ -74,9 +79,15 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Only modules of the source tree: a stale build/ must not ship deleted ones.
     with zipfile.ZipFile(wheel) as z:
         shipped = {n for n in z.namelist() if n.endswith(".py")}
-    assert shipped and all((REPO / n).exists() for n in shipped), sorted(
-        n for n in shipped if not (REPO / n).exists())
+    assert shipped and shipped <= installed_names(), sorted(shipped - installed_names())
     return wheel
+
+
+def installed_names() -> set[str]:
+    """Each module file of the checkout, as the path it is installed under."""
+    return {namespace.module_name(p).replace(".", "/")
+            + ("/__init__" if p.name == "__init__.py" else "") + p.suffix
+            for p in namespace.all_files((".py", ".pyi"))}
 
 
 def fresh_venv(directory: Path, *requirements: str) -> Path:
@@ -149,17 +160,14 @@ def test_the_wheel_ships_zero_code_modes_start_up_hook(wheel: Path) -> None:
         assert "dataloader_exporter/instrument/autorun/sitecustomize.py" in z.namelist()
 
 
-def test_the_wheel_installs_one_namespace_and_the_files_behind_its_links(wheel: Path) -> None:
+def test_the_wheel_installs_one_namespace_with_every_module_once(wheel: Path) -> None:
     """Nothing but dataloader_exporter at the top of site-packages (a user's own
-    exporter.py or instrument/ can shadow no module of ours), and every package the
-    namespace links to shipped as real files."""
+    exporter.py or instrument/ can shadow no module of ours), and every module of the
+    checkout's mapped folders shipped once, under its installed name."""
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"dataloader_exporter", "dataloader_exporter-0.1.0.dist-info"}, tops
-    for package in ("core", "core/facts", "exporter", "exporter/collectors", "instrument",
-                    "diagnosis", "dashboards"):
-        assert f"dataloader_exporter/{package}/__init__.py" in names, package
-    shipped = {n for n in names if n.endswith(".py")}
-    for source in (REPO / "core").rglob("*.py"):
-        assert f"dataloader_exporter/{source.relative_to(REPO).as_posix()}" in shipped
+    shipped = [n for n in names if n.endswith((".py", ".pyi"))]
+    assert len(shipped) == len(set(shipped))
+    assert set(shipped) == installed_names(), sorted(set(shipped) ^ installed_names())

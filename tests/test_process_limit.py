@@ -58,7 +58,7 @@ def test_a_real_pids_cgroup_caps_the_workers_the_tuner_may_add() -> None:
         (group / "pids.max").write_text("48")
     except OSError as e:
         pytest.skip(f"no writable cgroup v1 pids controller here ({e})")
-    probe = ("from dataloader_exporter.instrument.tuner_budget import worker_limit; "
+    probe = ("from dataloader_exporter.instrument.tuner.budget import worker_limit; "
              "print(worker_limit())")
     try:
         inside = subprocess.run(

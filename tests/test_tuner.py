@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dataloader_exporter.core import bands
-from dataloader_exporter.core.tuner_rules import MAX_TRIALS, UNSEEN_EPOCHS, Tuner
-from dataloader_exporter.core.tuner_types import Budget, Decision, Epoch, Setting
+from dataloader_exporter.core.tuner.rules import MAX_TRIALS, UNSEEN_EPOCHS, Tuner
+from dataloader_exporter.core.tuner.types import Budget, Decision, Epoch, Setting
 
 GiB = 1 << 30
 

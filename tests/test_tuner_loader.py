@@ -21,16 +21,14 @@ from support.required import require_module
 from support.torch_helpers import BurnDataset, RangeIterable, SleepDataset
 
 from dataloader_exporter import instrument
-from dataloader_exporter.core import advisor, tuner_judge, tuner_model
-from dataloader_exporter.instrument import (
-    compat,
-    procstat,
-    tuner_epoch,
-    tuner_loop,
-    tuner_order,
-    tuner_window,
-)
+from dataloader_exporter.core import advisor
+from dataloader_exporter.core.tuner import judge as tuner_judge
+from dataloader_exporter.core.tuner import model as tuner_model
+from dataloader_exporter.instrument import compat, procstat
 from dataloader_exporter.instrument.rank import local_world_size
+from dataloader_exporter.instrument.tuner import epoch as tuner_epoch
+from dataloader_exporter.instrument.tuner import loop as tuner_loop
+from dataloader_exporter.instrument.tuner import order as tuner_order
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -146,7 +144,7 @@ def test_a_persistent_pool_is_rebuilt_between_epochs_with_the_same_order(
     advances as if the pool had been reused."""
     monkeypatch.setattr(tuner_model, "MAX_PER_CPU", 1)
     # Judged at iter() only: a loaded machine's epoch can outlast a mid-epoch window.
-    monkeypatch.setattr(tuner_window, "WINDOW", 1e6)
+    monkeypatch.setattr(tuner_loop, "WINDOW", 1e6)
     start = advisor.local_cpu().usable + 1
     data = BurnDataset(N, cpu=CPU / 4)
 
@@ -245,7 +243,7 @@ def test_the_tuner_is_visible_in_the_metrics_and_says_how_to_keep_its_settings(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Settled once, between epochs: on a loaded machine a window mid-epoch, or the load's
     # swings read as a drift, would tune it again (their own tests: the window's, drift's).
-    monkeypatch.setattr(tuner_window, "WINDOW", 1e6)
+    monkeypatch.setattr(tuner_loop, "WINDOW", 1e6)
     monkeypatch.setattr(tuner_judge, "DRIFT_WINDOWS", 10**6)
     data = BurnDataset(N, cpu=CPU)
     tuned = instrument.DataLoader(data, batch_size=BATCH, name="seen", registry=registry,
@@ -425,7 +423,7 @@ def test_the_first_epoch_with_workers_has_their_shares_with_no_reader(
     has their running and waiting shares (baseline 0), so a larger machine goes on to
     2 workers and more."""
     # Judged at iter() only: a loaded machine's epoch can outlast a mid-epoch window.
-    monkeypatch.setattr(tuner_window, "WINDOW", 1e6)
+    monkeypatch.setattr(tuner_loop, "WINDOW", 1e6)
     loader = instrument.DataLoader(BurnDataset(160, cpu=0.01), batch_size=8, name="shares",
                                    registry=registry, tune=("num_workers",))
     epochs(loader, 1)
@@ -459,7 +457,7 @@ def test_a_dataset_that_cannot_run_in_a_worker_keeps_training_without_one(
     workers, its RNGs as before, so the loop sees exactly the untuned batches (the same
     failure mid-epoch: test_a_pool_that_fails_mid_epoch...)."""
     # Judged at iter() only: a loaded machine's epoch can outlast a mid-epoch window.
-    monkeypatch.setattr(tuner_window, "WINDOW", 1e6)
+    monkeypatch.setattr(tuner_loop, "WINDOW", 1e6)
     data = MainProcessOnly(N, cpu=CPU)
     expected, _ = epochs(torch.utils.data.DataLoader(
         data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(4)))
@@ -533,7 +531,7 @@ def test_a_loader_sharing_its_name_with_another_is_not_judged_on_their_mixed_fig
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Judged at iter() only: a mid-epoch window that ends inside train's epoch (one
     # over WINDOW seconds on a loaded machine) holds train's batches alone, and may be.
-    monkeypatch.setattr(tuner_window, "WINDOW", 1e6)
+    monkeypatch.setattr(tuner_loop, "WINDOW", 1e6)
     data = BurnDataset(N, cpu=CPU)
     train = instrument.DataLoader(data, batch_size=BATCH, registry=registry, tune=True)
     val = instrument.DataLoader(data, batch_size=BATCH, registry=registry)  # also "default"
@@ -640,7 +638,7 @@ def test_a_map_style_loader_changes_its_pool_mid_epoch_with_the_same_order_and_r
     generator and torch's RNG are where the untuned run leaves them. So too where the
     machine's CPUs lose half their busy time to steal (/proc/stat, scripted): the time the
     workers lose is their CPU's cost, not a queue for the cores that holds more back."""
-    monkeypatch.setattr(tuner_window, "WINDOW", 0.3)
+    monkeypatch.setattr(tuner_loop, "WINDOW", 0.3)
     tuner_log.set_level(logging.DEBUG, logger="dataloader_exporter.instrument")  # figures
     start = 1 if persistent else 0
     data = SleepDataset(240, delay=0.004)  # mostly asleep: blocked
@@ -672,7 +670,7 @@ def test_a_pool_that_fails_mid_epoch_gives_its_batches_back_to_the_loop(
     """A dataset that cannot run in a worker: the tuner's first pool, started mid-epoch,
     fails its first batch; the indices it took are handed to the loop without workers,
     so the epoch goes on with exactly the untuned batches, and no worker is tried again."""
-    monkeypatch.setattr(tuner_window, "WINDOW", 0.3)
+    monkeypatch.setattr(tuner_loop, "WINDOW", 0.3)
     data = MainProcessOnly(480, cpu=0.002)
 
     def build(cls: Any, **kw: Any) -> Any:
@@ -732,7 +730,7 @@ def test_a_settled_loader_is_watched_mid_epoch_and_tuned_again_when_storage_slow
     """One long epoch: the tuner settles on fast samples; the storage then slows down
     under it; the settled rate's drift is seen in windows of that same epoch, and the
     tuner moves again mid-epoch, with the untuned loader's order."""
-    monkeypatch.setattr(tuner_window, "WINDOW", 0.3)
+    monkeypatch.setattr(tuner_loop, "WINDOW", 0.3)
     data = SlowingDataset(200_000)
 
     def build(cls: Any, **kw: Any) -> Any:

@@ -12,11 +12,11 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from dataloader_exporter.core import tuner_judge
-from dataloader_exporter.core.tuner_judge import Judge
-from dataloader_exporter.core.tuner_model import Load, ceiling, choose, predict
-from dataloader_exporter.core.tuner_rules import Tuner
-from dataloader_exporter.core.tuner_types import Budget, Epoch, Setting
+from dataloader_exporter.core.tuner import judge as tuner_judge
+from dataloader_exporter.core.tuner.judge import Judge
+from dataloader_exporter.core.tuner.model import Load, ceiling, choose, predict
+from dataloader_exporter.core.tuner.rules import Tuner
+from dataloader_exporter.core.tuner.types import Budget, Epoch, Setting
 
 GiB = 1 << 30
 BATCH = 32

@@ -325,7 +325,7 @@ def test_a_workers_time_the_hypervisor_took_is_waiting_for_a_cpu_not_blocked(tmp
     assert bare.waiting_ns == 0 and bare.blocked_ns is not None and bare.blocked_ns >= 3 * ran
     assert stolen.waiting_ns == stolen.stolen_ns == ran  # busy and stolen ticks rose alike
     assert bare.stolen_ns == 0
-    from dataloader_exporter.instrument.tuner_epoch import _times
+    from dataloader_exporter.instrument.tuner.epoch import _times
 
     assert _times(stolen) == (2 * ran, 0, stolen.blocked_ns)  # the tuner: steal is CPU
     assert stolen.blocked_ns is not None and stolen.blocked_ns >= 2 * ran

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.instrument import zerocode_hooks
+from dataloader_exporter.instrument.zerocode import hooks as zerocode_hooks
 from dataloader_exporter.run import autorun_dir
 
 pytestmark = pytest.mark.torch
@@ -120,7 +120,7 @@ def test_a_lookup_of_torch_before_its_import_does_not_switch_the_hook_off(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([autorun_dir(), str(REPO)]),
            "DATALOADER_EXPORTER_AUTO": "1"}
     code = ("import importlib.util; importlib.util.find_spec('torch'); import torch; "
-            "from dataloader_exporter.instrument import zerocode_hooks; "
+            "from dataloader_exporter.instrument.zerocode import hooks as zerocode_hooks; "
             "print(torch.utils.data.DataLoader.__iter__ is zerocode_hooks._hooked_iter)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60, cwd=tmp_path)

@@ -29,9 +29,9 @@ import math
 from dataclasses import dataclass, field, replace
 
 from dataloader_exporter.core import bands
-from dataloader_exporter.core.tuner_judge import Judge
-from dataloader_exporter.core.tuner_model import ceiling, choose
-from dataloader_exporter.core.tuner_types import Budget, Decision, Epoch, Setting
+from dataloader_exporter.core.tuner.judge import Judge
+from dataloader_exporter.core.tuner.model import ceiling, choose
+from dataloader_exporter.core.tuner.types import Budget, Decision, Epoch, Setting
 
 MAX_TRIALS = 8  # then the tuner is stable, whatever the figures say
 MAX_PREFETCH = 8  # batches per worker: deeper queues only hold memory

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dataloader_exporter.core.tuner_model import Load
+from dataloader_exporter.core.tuner.model import Load
 
 
 @dataclass(frozen=True)

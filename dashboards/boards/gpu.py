@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataloader_exporter.core import bands
 from dataloader_exporter.core import catalogue as cat
 
-from . import dcgm
-from .model import (
+from .. import dcgm
+from ..model import (
     BARGAUGE,
     BYTES,
     BYTES_PER_SECOND,
@@ -25,7 +25,7 @@ from .model import (
     Step,
     Variable,
 )
-from .promql import BY_GPU, GPUS, HOST, ratio, sel
+from ..promql import BY_GPU, GPUS, HOST, ratio, sel
 
 UTILIZATION_BANDS: tuple[Step, ...] = ((None, "red"), (bands.GPU_IDLE, "yellow"),
                                         (bands.GPU_BUSY, "green"))

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataloader_exporter.core import bands
 
-from . import recording as r
-from .model import BARGAUGE, COUNT, RATIO, SECONDS, Board, Panel, Row, Step, Variable
+from .. import recording as r
+from ..model import BARGAUGE, COUNT, RATIO, SECONDS, Board, Panel, Row, Step, Variable
 
 JOBS = 'namespace=~"$namespace",job=~"$job",loader=~"$loader"'
 BY_JOB = "{{namespace}} {{job}} {{loader}}"

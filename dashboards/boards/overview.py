@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataloader_exporter.core import bands
 from dataloader_exporter.core import catalogue as cat
 
-from . import dcgm
-from .model import (
+from .. import dcgm
+from ..model import (
     BARGAUGE,
     BYTES,
     BYTES_PER_SECOND,
@@ -28,7 +28,7 @@ from .model import (
     Step,
     Variable,
 )
-from .promql import (
+from ..promql import (
     BY_RANK,
     HOST,
     LOADER,

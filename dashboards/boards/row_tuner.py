@@ -6,10 +6,10 @@ changed and why, and the workers it set. A loader that is not tuned has no serie
 from __future__ import annotations
 
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.core.tuner_judge import MIN_GAIN
+from dataloader_exporter.core.tuner.judge import MIN_GAIN
 
-from .model import BARGAUGE, COUNT, Panel, Row
-from .promql import BY_RANK, LOADER, sel
+from ..model import BARGAUGE, COUNT, Panel, Row
+from ..promql import BY_RANK, LOADER, sel
 
 _WHY = ("starved (the loop waited on busy workers: more), cpu-contention (the workers "
         "waited for a CPU: fewer), cores (more workers than this rank's cores), memory "

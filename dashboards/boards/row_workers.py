@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataloader_exporter.core import bands
 from dataloader_exporter.core import catalogue as cat
 
-from .model import BYTES, BYTES_PER_SECOND, COUNT, Panel, Row
-from .promql import LOADER, RATE_INTERVAL, rate, sel, workers_by_state
+from ..model import BYTES, BYTES_PER_SECOND, COUNT, Panel, Row
+from ..promql import LOADER, RATE_INTERVAL, rate, sel, workers_by_state
 
 W = RATE_INTERVAL
 _ROOM = 'kind="available"'  # not the workers' memory: what more of them would have to fit in

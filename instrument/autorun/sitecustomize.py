@@ -49,7 +49,7 @@ def _check_settings() -> None:
 
 def _torch_ready() -> None:
     try:
-        from dataloader_exporter.instrument import zerocode_hooks
+        from dataloader_exporter.instrument.zerocode import hooks as zerocode_hooks
 
         zerocode_hooks.install(auto=True)
     except Exception as e:  # the program runs as without us

@@ -1,17 +1,9 @@
-"""The types of _hotpath.c (hotpath_base.py says what they do)."""
+"""The types of _hotpath.c (base.py says what they do)."""
 
 from typing import Any
 
-BYTES_EVERY: int
-
-def clock_ns() -> int: ...
-def kept(cls: Any, it: Any, rec: Counts, owner: Any, start_ns: int, count: Any, sized: Any,
-         quick: bool, /) -> Any: ...
-def set_tensor_type(tensor: type, /) -> None: ...
-def same_attrs(obj: Any, names: tuple[str, ...], values: tuple[Any, ...], /) -> bool: ...
-
 class Ring:
-    def __init__(self, maxlen: int = ...) -> None: ...
+    def __init__(self, maxlen: int) -> None: ...
     @property
     def maxlen(self) -> int: ...
     def append(self, value: int, /) -> None: ...
@@ -21,17 +13,10 @@ class Ring:
 class Counts:
     batches: int
     samples: int
-    epochs: int
     last_batch_ns: int
-    first_at_ns: int
-    @property
-    def fetch(self) -> Ring: ...
-    @property
-    def step(self) -> Ring: ...
-    @property
-    def first(self) -> Ring: ...
+    fetch: Ring
+    step: Ring
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
-    def _rings(self, maxlen: int, /) -> None: ...
 
 class Timed:
     _it: Any
@@ -39,17 +24,6 @@ class Timed:
     _last: int
     _mark: int
     _size: int
-    _count: Any
-    _sized: Any
-    _end: int
-    _owner: Any
-    _start: int
-    _gen: int
-    _probe: int
-    _retry: Any
-    _resume: Any
-    _done: bool
-    _quick: bool
     def __getattr__(self, name: str) -> Any: ...
     def __iter__(self) -> Timed: ...
     def __next__(self) -> Any: ...

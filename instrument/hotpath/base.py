@@ -1,40 +1,29 @@
 """The per-batch path's base types: in C (_hotpath.c) where the extension was built, else
 the same in Python here (and with DATALOADER_EXPORTER_PURE_PYTHON=1 set at import).
 
-- Ring: a bounded queue of int nanoseconds. The loop appends; a reader takes all of it,
-  oldest first, as int64 values (take(), a buffer for numpy.frombuffer). At maxlen the
-  oldest value goes, as in a deque with maxlen.
-- Counts: the base of hotpath_recorder.LoaderRecorder: batches, samples, epochs,
-  last_batch_ns and first_at_ns (perf_counter_ns), and the fetch, step and first rings the
-  loop writes.
-- Timed: the base of hotpath_iterator.TimedIterator. Its __next__ reads the clock, calls
-  next() on _it, reads the clock again, and records a full batch in _rec: the fetch wait
-  (the two readings apart), the step (since its last batch's reading, _last), batches
-  + 1, samples + _size while rec.batches stays under _mark. Everything else is a call of
-  the subclass: _first(batch, t1) for its first batch, _walk(batch, b) at batch count b
-  from _mark on, _exhausted() at the end (the same end follows: the iterator's
-  StopIteration, if any), _raised(exc) for an Exception (its return is the batch, what it
-  raises goes on); any other BaseException passes untouched. _exhausted and _raised run
-  as in an `except` block: the error is the one being handled. An iterator that loops
-  back to its Timed is a RecursionError, as in Python. It also holds the subclass's state
-  (TimedIterator's fields), and passes any other attribute, but for names that start with
-  "__", through to _it.
-- kept(cls, it, rec, owner, start_ns, count, sized, quick): a TimedIterator as its
-  __init__ makes it for a kept plan (iter_start._kept_iter), without running it. quick:
-  the C build records its first batch itself (the batch's samples counted as
-  hotpath_batch.collated_len does for a tensor, or a list, tuple or dict whose first item
-  is one; the epoch, the first batch's records, the full batches armed as
-  TimedIterator._arm does) where it can, else through _first as always.
-  set_tensor_type(torch.Tensor) tells it the tensor type.
-- same_attrs(obj, names, values): whether obj has each attribute named with an equal value,
-  read as getattr() does (never through obj.__dict__, which, once asked for, slows every
-  attribute read of the object in CPython 3.11: torch's iter() of a DataLoader by about
-  6,000 instructions).
+- Ring(maxlen): a bounded queue of int nanoseconds. The loop appends; a reader takes all
+  of it, oldest first, as int64 values (take(), a buffer for numpy.frombuffer). At maxlen
+  the oldest value goes, as in a deque with maxlen.
+- Counts: the base of recorder.LoaderRecorder: the counters the loop bumps (batches,
+  samples, last_batch_ns: perf_counter_ns of the last batch handed out) and its two
+  rings, fetch and step, which the subclass sets before a Timed records into it.
+- Timed: the base of iterator.TimedIterator. Its __next__ reads the clock, calls next()
+  on _it, reads the clock again, and records a full batch in _rec: the fetch wait (the
+  two readings apart), the step (since its last batch's reading, _last), batches + 1,
+  samples + _size while rec.batches stays under _mark. Everything else is a call of the
+  subclass: _first(batch, t1) for its first batch, _walk(batch, b) at batch count b from
+  _mark on, _exhausted() at the end (the same end follows: the iterator's StopIteration,
+  if any), _raised(exc) for an Exception (its return is the batch, what it raises goes
+  on); any other BaseException passes untouched. _exhausted and _raised run as in an
+  `except` block: the error is the one being handled. An iterator that loops back to its
+  Timed is a RecursionError, as in Python. It holds those five fields only (the subclass
+  declares its own) and passes any other attribute, but for names that start with "__",
+  through to _it.
 
-The C build (Linux only: elsewhere this module runs) does a full batch in about 60 ns and
-no Python frame; this module in about 300 ns. Both read perf_counter_ns's clock
-(CLOCK_MONOTONIC). Each call holds the interpreter lock: a reader's take() and the loop's
-append never interleave.
+The C build does a full batch in about 60 ns and no Python frame; this module in about
+300 ns (docs/design/hotpath.md says what that buys). Both read perf_counter_ns's clock
+(CLOCK_MONOTONIC). Each call holds the interpreter lock: a reader's take() and the
+loop's append never interleave.
 """
 
 from __future__ import annotations
@@ -49,14 +38,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 PURE_PYTHON_ENV = "DATALOADER_EXPORTER_PURE_PYTHON"
-BYTES_EVERY = 256  # batches between two samples of a batch's bytes (each a walk, ~1 µs)
 DRAIN_SLICE = 8192  # values taken in one call from C (the Python Ring): ~0.3 ms
 
 
 class PyRing(deque[int]):
     """Ring in Python: a deque with maxlen, taken one popleft at a time from C."""
 
-    def __init__(self, maxlen: int = 1 << 17) -> None:
+    def __init__(self, maxlen: int) -> None:
+        if maxlen < 1:
+            raise ValueError("maxlen must be at least 1")
         super().__init__((), maxlen)
 
     def take(self) -> np.ndarray:
@@ -80,30 +70,20 @@ class PyCounts:
 
     batches = 0
     samples = 0
-    epochs = 0
     last_batch_ns = 0
-    first_at_ns = 0
-    fetch: PyRing  # set by _rings()
+    fetch: PyRing  # set by the subclass
     step: PyRing
-    first: PyRing
-
-    def _rings(self, maxlen: int) -> None:
-        self.fetch = PyRing(maxlen)
-        self.step = PyRing(maxlen)
-        self.first = PyRing(maxlen)
 
 
 class PyTimed:
     """Timed in Python."""
 
-    __slots__ = ("_count", "_done", "_end", "_gen", "_it", "_last", "_mark", "_owner", "_probe",
-                 "_quick", "_rec", "_resume", "_retry", "_size", "_sized", "_start")
+    __slots__ = ("_it", "_last", "_mark", "_rec", "_size")
     _it: Any
     _rec: Any
     _last: int
     _mark: int
     _size: int
-    _quick: bool
 
     def __iter__(self) -> Any:
         return self
@@ -149,48 +129,24 @@ class PyTimed:
         return getattr(self._it, name)
 
 
-def py_kept(cls: Any, it: Any, rec: Any, owner: Any, start_ns: int, count: Any, sized: Any,
-            quick: bool) -> Any:
-    """kept in Python: cls's own __init__ (TimedIterator's arguments); the first batch
-    always goes through _first."""
-    return cls(it, owner, start_ns, 0, count, sized, False)
-
-
-_MISSING = object()
-
-
-def py_same_attrs(obj: Any, names: tuple[str, ...], values: tuple[Any, ...]) -> bool:
-    """same_attrs in Python."""
-    for name, value in zip(names, values, strict=True):
-        v = getattr(obj, name, _MISSING)
-        if v is _MISSING or not (v is value or v == value):
-            return False
-    return True
-
-
-def py_set_tensor_type(tensor: type) -> None:
-    """set_tensor_type in Python: nothing (its first batches go through _first)."""
-
-
 NATIVE = False
 _FORCED = os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0")
 if TYPE_CHECKING:
-    from ._hotpath import Counts, Ring, Timed, kept, same_attrs, set_tensor_type
+    from ._hotpath import Counts, Ring, Timed
 else:
     if not _FORCED:
         try:
-            from ._hotpath import Counts, Ring, Timed, kept, same_attrs, set_tensor_type
+            from ._hotpath import Counts, Ring, Timed
 
             NATIVE = True
         except ImportError:  # not built (no compiler at install): the same in Python
             pass
     if not NATIVE:
         Ring, Counts, Timed = PyRing, PyCounts, PyTimed
-        kept, same_attrs, set_tensor_type = py_kept, py_same_attrs, py_set_tensor_type
         logging.getLogger("dataloader_exporter.instrument").info(
             "the loader's per-batch path runs in Python (%s), about 0.25 µs a batch more than "
             "its C build", f"{PURE_PYTHON_ENV} is set" if _FORCED
-            else "instrument/_hotpath.c was not built at install")
+            else "instrument/hotpath/_hotpath.c was not built at install")
 
 
 def drain(q: Any) -> np.ndarray:

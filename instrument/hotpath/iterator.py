@@ -2,43 +2,43 @@
 
 TimedIterator times each next() of torch's iterator (or of a loader held from outside)
 with two clock readings and records the result as integers on the loader's recorder
-(hotpath_recorder.py): two ring appends and a few integer updates a batch, in C where
-built (hotpath_base.Timed), no lock, file or GPU synchronisation; a full batch of a
-loader whose batches hold a fixed size is counted without walking it (TimedIterator._arm).
-Everything that happens less often (the first batch, the end of an epoch, an error, the
-tuner's readings) goes to the loader's Instruments.
-How the iterator is built, at iter(): iter_start.py.
+(recorder.py): two ring appends and a few integer updates a batch, in C where built
+(base.Timed), no lock, file or GPU synchronisation; a full batch of a loader whose
+batches hold a fixed size is counted without walking it (TimedIterator._arm).
+Everything that happens less often (the first batch, the end of an epoch, an error) goes
+to the loader's Instruments; a tuned loader's iterator (instrument/tuner/iterator.py)
+adds the tuner's readings. How the iterator is built, at iter(): instrument/iter_start.py.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from time import thread_time_ns
 from typing import Any, SupportsIndex
 
-from .hotpath_base import BYTES_EVERY, Timed
-from .hotpath_batch import batch_nbytes, loader_len
-from .instruments import Instruments, reraise_torch_worker_error
+from ..instruments import Instruments, reraise_torch_worker_error
+from .base import Timed
+from .batch import batch_nbytes, loader_len
 
 Counter = Callable[[Any], "int | None"]
 # (batch size, sampler) of a loader whose every batch but an epoch's last holds the batch
 # size and whose sampler yields len(sampler) indices (iter_start.fixed_size).
 FullBatches = tuple[int, Any]
 
+BYTES_EVERY = 256  # batches between two samples of a batch's bytes (each a walk, ~1 µs)
+
 log = logging.getLogger("dataloader_exporter.instrument")
 
 
 class TimedIterator(Timed):
     """Times each next() of the iterator it holds; everything else passes through. The
-    per-batch part is Timed's (hotpath_base.py), which also holds the fields set here; this
-    class is what happens less often."""
+    per-batch part is Timed's (base.py); this class is what happens less often."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("__weakref__", "_count", "_done", "_end", "_gen", "_owner", "_sized",
+                 "_start")
 
     def __init__(self, it: Any, owner: Instruments, start_ns: int, gen: int = 0,
-                 count: Counter = loader_len, sized: FullBatches | None = None,
-                 tuning_now: bool | None = None) -> None:
+                 count: Counter = loader_len, sized: FullBatches | None = None) -> None:
         self._it = it  # the iterator timed (torch's, a held loader's, or the tuner's)
         self._rec = owner.rec
         self._last = 0  # perf_counter_ns of its last batch (0: none yet)
@@ -46,43 +46,26 @@ class TimedIterator(Timed):
         # holds _size samples and nothing else is due; 0: every batch walks.
         self._mark = 0
         self._size = 0
-        self._count = count
+        self._count = count  # how a batch's samples are counted
         self._sized = sized  # (size, sampler) until armed or found not to hold (_arm)
-        self._end = 0
-        self._owner = owner
-        self._start = start_ns
-        self._gen = gen
-        self._done = False
-        # The batch count at which a tuned loader's workers are sampled (0: never).
-        if tuning_now is None:  # the caller did not say (owner.tuning_now)
-            tuning_now = owner.tuning_now
-        self._probe = owner.probe_at(it) if tuning_now else 0
-        # The tuner's way back when its first worker pool fails its first batch.
-        self._retry: Callable[[Exception], tuple[Any, Counter] | None] | None = None
-        # The tuner's mid-epoch change of a loader that resumes from its state_dict().
-        self._resume: Callable[[], tuple[Any, int, Counter] | None] | None = None
-        self._quick = False  # its first batch recorded in C (hotpath_base.kept)
+        self._end = 0  # the epoch's last full batch, in rec.batches (0: unknown)
+        self._owner = owner  # the loader's Instruments
+        self._start = start_ns  # perf_counter_ns of its iter()
+        self._gen = gen  # its workers' generation (0: none)
+        self._done = False  # whether its end was recorded
 
     def _exhausted(self) -> None:
         self._finish(True)
 
     def _raised(self, e: Exception) -> Any:
-        """next() raised e: the epoch goes on without the tuner's failed pool (its batch
-        returned), or e goes on to the loop."""
+        """next() raised e: it goes on to the loop (a loop may skip a bad batch and go
+        on)."""
         self._mark = 0  # a batch lost to an error: the full batches' count is off
         self._sized = None
-        retry, self._retry = self._retry, None
-        again = retry(e) if retry is not None and not self._last else None
-        if again is not None:  # the tuner's pool failed: the epoch without it
-            self._it, self._count = again
-            self._gen = 0
-            self._probe = 0
-            return self.__next__()
-        self._finish(False, e)  # not the end: a loop may skip a bad batch and go on
+        self._finish(False, e)
         raise e
 
     def _first(self, batch: Any, t1: int) -> Any:
-        self._retry = None
         rec = self._rec
         rec.first_at_ns = t1
         self._owner.first_batch(batch, t1 - self._start)
@@ -92,12 +75,8 @@ class TimedIterator(Timed):
 
     def _walk(self, batch: Any, b: int) -> Any:
         """The batch's samples counted by its walk, its bytes sampled every BYTES_EVERY
-        batches, the tuner's probe and mid-epoch change when due (rec.batches now b)."""
+        batches (rec.batches now b)."""
         rec = self._rec
-        if b == self._probe:
-            self._probe = self._owner.probed(self._probe)
-            if self._resume is not None:
-                self._resumed(self._resume)
         n = None
         try:  # free in CPython 3.11 unless it raises; an odd batch must not stop training
             n = self._count(batch)
@@ -117,17 +96,19 @@ class TimedIterator(Timed):
         """After a batch counted by its walk (n samples, rec.batches now b): the batches
         up to the epoch's last full one (_end, in rec.batches) are counted as size each,
         but at each BYTES_EVERY-th batch. Armed at the first batch, only when it holds
-        the batch size and nothing else reads the loop (no tuner probe or resume); a
-        loader sharing the recorder only brings _end sooner, so the last, partial batch
-        and everything after _end is always walked."""
+        the batch size (a tuner at work reads the loop: its iterator is never given
+        _sized); a loader sharing the recorder only brings _end sooner, so the last,
+        partial batch and everything after _end is always walked."""
         end = self._end
         if not end:
+            if self._sized is None:
+                return
             size, sampler = self._sized
             try:
                 full = len(sampler) // size
             except Exception:
                 full = 0
-            if n != size or full < 2 or self._probe or self._resume is not None:
+            if n != size or full < 2:
                 self._sized = None
                 return
             end = self._end = b + full - 1
@@ -137,20 +118,6 @@ class TimedIterator(Timed):
             self._sized = None
             return
         self._mark = min(end + 1, (b // BYTES_EVERY + 1) * BYTES_EVERY)
-
-    def _resumed(self, resume: Callable[[], tuple[Any, int, Counter] | None]) -> None:
-        """The tuner's pending mid-epoch change, if any: the iterator from here on."""
-        try:
-            got = resume()
-        except Exception as e:
-            reraise_torch_worker_error(e)
-            log.warning("the tuner's mid-epoch change failed; the epoch goes on as it was",
-                        exc_info=True)
-            self._resume = None
-            return
-        if got is not None:
-            self._it, self._gen, self._count = got
-            self._probe = self._owner.probe_at(self._it) if self._owner.tuning_now else 0
 
     def _finish(self, clean: bool, exc: BaseException | None = None) -> None:
         if clean and self._done:
@@ -174,22 +141,6 @@ class TimedIterator(Timed):
         a copy of its timing state would count the same batches twice."""
         self._it.__reduce_ex__(protocol)
         raise TypeError(f"cannot pickle {type(self).__name__!r} object")
-
-
-class CpuTimedIterator(TimedIterator):
-    """A tuned loader's iterator without workers: also the loop thread's CPU time in each
-    fetch, which tells the tuner's model how much of a batch's making is CPU work."""
-
-    __slots__ = ()
-
-    def __next__(self) -> Any:
-        c0 = thread_time_ns()
-        try:
-            return TimedIterator.__next__(self)
-        finally:
-            rec = self._rec
-            rec.fetch_cpu_ns += thread_time_ns() - c0
-            rec.fetch_cpu_n += 1
 
 
 class QuietIterator(TimedIterator):

@@ -1,10 +1,10 @@
 """What the per-batch code records for one (loader, rank), and how it is read.
 
 The training loop only appends integer nanoseconds to bounded rings and bumps integers
-(hotpath_base.py, in C where built). Whoever reads the metrics (the snapshot thread, a
+(base.py, in C where built). Whoever reads the metrics (the snapshot thread, a
 scrape) takes the rings' contents under a lock and bins them into cumulative histograms
 with numpy (LoaderRecorder.flush), so no lock, file or GPU synchronisation sits on the
-per-batch path. The metric families built from recorders: loader_collector.py.
+per-batch path. The metric families built from recorders: instrument/loader_collector.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 
 from dataloader_exporter.core import catalogue as cat
 
-from .hotpath_base import Counts, Ring, drain
-from .worker_tracker import WorkerTracker
+from ..worker_tracker import WorkerTracker
+from .base import Counts, Ring, drain
 
 # Durations kept per queue between two reads (snapshot writes or scrapes, normally every
 # second): 131072 batches of a few microseconds each, about 1 MB per queue at most.
@@ -60,18 +60,20 @@ def _le(bound: float) -> str:
 
 class LoaderRecorder(Counts):
     """Everything measured for one (loader, rank); shared by loaders of one name. The
-    loop's counts and its rings are Counts' (hotpath_base.py): batches, samples, epochs
-    (first batches), last_batch_ns and first_at_ns (perf_counter_ns of the last batch
-    handed out and of the latest epoch's first), fetch, step, first (the first batches'
-    waits since iter())."""
+    counters the loop bumps and its rings are Counts' (base.py): batches, samples,
+    last_batch_ns (perf_counter_ns of the last batch handed out), fetch and step."""
 
     def __init__(self, name: str, rank: str) -> None:
         self.name = name
         self.rank = rank
         # Hot path (the loop appends; readers take all under self.lock). Bounded, so a
         # registry nobody reads keeps only the newest observations instead of growing.
-        self._rings(MAX_UNREAD)
+        self.fetch = Ring(MAX_UNREAD)
+        self.step = Ring(MAX_UNREAD)
+        self.first = Ring(MAX_UNREAD)  # the first batches' waits since iter()
         self.transfer = Ring(MAX_UNREAD)
+        self.epochs = 0  # epochs begun (first batches)
+        self.first_at_ns = 0  # perf_counter_ns of the latest epoch's first batch (0: none)
         # False once a batch's samples could not be counted (hotpath_batch.py,
         # hotpath_workerblock.py): the total is then unknown and not exported, for the
         # rest of the process.

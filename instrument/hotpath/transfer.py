@@ -13,10 +13,10 @@ from typing import Any, Protocol
 
 import torch
 
-from .hotpath_batch import move
-from .hotpath_recorder import LoaderRecorder
-from .preflight import LoaderConfig, Preflight
-from .rank_gpu import gpu_uuid
+from ..preflight import LoaderConfig, Preflight
+from ..rank_gpu import gpu_uuid
+from .batch import move
+from .recorder import LoaderRecorder
 
 MAX_PENDING_EVENTS = 4096  # CUDA event pairs kept waiting before the oldest are dropped
 

@@ -13,7 +13,7 @@ before ``iter()`` returns.
 At the end of each batch a worker writes into its row of an int64 block: the process's
 CPU time so far, samples collated, the wall time (ns), its pid, its thread's run-queue
 wait (one pread of a schedstat file it keeps open), the first batch's CPU, wait and wall
-time, and two flags that keep sample counts honest (hotpath_batch.py): UNCOUNTED,
+time, and two flags that keep sample counts honest (batch.py): UNCOUNTED,
 batches whose samples it could not count (batch_size=None items that are not
 recognisably batches), and MISCOUNTED, batches
 of a custom collate_fn whose count as the main process reads it (batch_len) differs from
@@ -25,7 +25,7 @@ workers); when that iterator is collected its workers are gone, and the block's 
 are folded into per-worker totals and released.
 
 The main process reads the blocks at most once a second, off the per-batch path
-(worker_tracker.py).
+(instrument/worker_tracker.py).
 """
 
 from __future__ import annotations
@@ -38,23 +38,29 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
-from .hotpath_base import NATIVE
-from .hotpath_batch import batch_len, item_len
-
-CPU, SAMPLES, HEARTBEAT, PID, UNCOUNTED, MISCOUNTED = range(6)
-# The worker's thread's run-queue wait (ns, -1: unreadable) as of its latest batch, and
-# CPU, wait and wall time as of its first: a pool too short-lived for two /proc readings
-# still says where its workers' time went between the two (worker_tracker.py).
-WAIT, FIRST_CPU, FIRST_WAIT, FIRST_BEAT = range(6, 10)
-_FIELDS = 10
-ROW_BYTES = _FIELDS * 8  # int64
-FD_UNOPENED = -2
-_SCHEDSTAT = "/proc/thread-self/schedstat"
+from .base import NATIVE
+from .batch import batch_len, item_len
+from .layout import (
+    CPU,
+    FD_UNOPENED,
+    FIRST_BEAT,
+    FIRST_CPU,
+    FIRST_WAIT,
+    HEARTBEAT,
+    MISCOUNTED,
+    PID,
+    ROW_BYTES,
+    ROW_FIELDS,
+    SAMPLES,
+    SCHEDSTAT,
+    UNCOUNTED,
+    WAIT,
+)
 
 
 def new_block(num_workers: int) -> torch.Tensor:
-    """A zeroed [num_workers, _FIELDS] int64 block in shared memory."""
-    return torch.zeros((num_workers, _FIELDS), dtype=torch.int64).share_memory_()
+    """A zeroed [num_workers, len(ROW_FIELDS)] int64 block in shared memory."""
+    return torch.zeros((num_workers, len(ROW_FIELDS)), dtype=torch.int64).share_memory_()
 
 
 def own_figures(block: torch.Tensor) -> list[tuple[int, int, int, int]]:
@@ -96,7 +102,7 @@ def py_beat(row: Any, samples: int, miscounted: bool, fd: int) -> int:
         row[PID] = os.getpid()
     if fd == FD_UNOPENED:
         try:  # kept open for the worker's life: one pread a batch
-            fd = os.open(_SCHEDSTAT, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(SCHEDSTAT, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             fd = -1
     row[CPU] = time.process_time_ns()

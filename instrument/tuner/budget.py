@@ -18,10 +18,10 @@ from dataloader_exporter.core import advisor, bands
 from dataloader_exporter.core.facts.cgroup import cgroup_memory_limit, cgroup_pids_room
 from dataloader_exporter.core.facts.memory import host_memory
 from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
-from dataloader_exporter.core.tuner_types import Budget
+from dataloader_exporter.core.tuner.types import Budget
 
-from .rank import local_world_size
-from .worker_tracker import process_memory_available
+from ..rank import local_world_size
+from ..worker_tracker import process_memory_available
 
 
 def memory_budget() -> int | None:

@@ -34,12 +34,12 @@ import numpy as np
 
 from dataloader_exporter.core.facts.cores import machine_ticks, stolen_per_run
 from dataloader_exporter.core.settings import log_name
-from dataloader_exporter.core.tuner_model import Load
-from dataloader_exporter.core.tuner_types import Epoch, Setting
+from dataloader_exporter.core.tuner.model import Load
+from dataloader_exporter.core.tuner.types import Epoch, Setting
 
-from .envsettings import once
-from .hotpath_recorder import LoaderRecorder
-from .procstat import Figures
+from ..envsettings import once
+from ..hotpath.recorder import LoaderRecorder
+from ..procstat import Figures
 
 log = logging.getLogger("dataloader_exporter.instrument")
 

@@ -38,21 +38,22 @@ import torch
 import torch.utils.data
 
 from dataloader_exporter.core.settings import ENV_SETTINGS, SettingsError, log_name, parse
-from dataloader_exporter.core.tuner_rules import REASONS_OF, Tuner
-from dataloader_exporter.core.tuner_types import Decision, Setting
+from dataloader_exporter.core.tuner.judge import DRIFT
+from dataloader_exporter.core.tuner.rules import REASONS_OF, Tuner
+from dataloader_exporter.core.tuner.types import Decision, Setting
 
-from . import compat, tuner_window
-from .envsettings import once
-from .failure_causes import is_torch_worker_error
-from .hotpath_recorder import LoaderRecorder
-from .tuner_budget import budget
-from .tuner_epoch import Mark, epoch_since, setting_of, take_mark
-from .tuner_order import order_bound
-from .tuner_window import MidEpoch, say_failed
+from .. import compat
+from ..envsettings import once
+from ..failure_causes import is_torch_worker_error
+from ..hotpath.recorder import LoaderRecorder
+from .budget import budget
+from .epoch import MIN_BATCHES, Mark, epoch_since, paused, setting_of, take_mark
+from .order import order_bound
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
 LONG_EPOCH = 600.0  # seconds: an epoch running longer is judged, as advice only
+WINDOW = 3.0  # seconds: a window judged mid-epoch
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,23 @@ class Undo:
     cpu: torch.Tensor
 
 
+def say_failed(name: str, now: int, back: int, error: Exception, epoch: str) -> None:
+    """Logs that the tuner's new workers failed (num_workers now -> back), with the last
+    line of torch's worker traceback, and what the epoch does (`epoch`) without them."""
+    lines = str(error).strip().splitlines()
+    said = lines[-1] if lines else ""  # torch's worker traceback ends with the error
+    kind = type(error).__name__
+    said = said[len(kind) + 2:] if said.startswith(f"{kind}: ") else said
+    log.warning("dataloader %r: num_workers %d -> %d: its workers failed (%s: %s); the epoch "
+                "%s without them and the tuner adds none", log_name(name), now, back, kind,
+                said[:200], epoch)
+
+
 ITERABLE = ("its IterableDataset's worker count decides how its stream is split, so it is "
             "set for the next run, not this one")
 
 
-class LoaderTuning(MidEpoch):
+class LoaderTuning:
     """One loader object's tuner, fed at each iter() (Instruments.at_iter)."""
 
     def __init__(self, name: str, knobs: tuple[str, ...], loader: Any,
@@ -122,7 +135,7 @@ class LoaderTuning(MidEpoch):
             for setting in self.tuned:
                 for reason in REASONS_OF[setting]:
                     rec.tuner_changes.setdefault((setting, reason), 0)
-            when = (f"every {tuner_window.WINDOW:g} s mid-epoch" if self.midepoch
+            when = (f"every {WINDOW:g} s mid-epoch" if self.midepoch
                     else "between epochs")
             log.info("dataloader %r: the tuner sets %s %s, from num_workers=%d, prefetch_factor"
                      "=%d", log_name(name), " and ".join(self.tuned), when,
@@ -342,3 +355,92 @@ class LoaderTuning(MidEpoch):
                      "%d (%s) but leaves it: %s. To set it: %s=%s.%s=%d", log_name(self.name),
                      decision.name, decision.old, decision.new, decision.why, because,
                      ENV_SETTINGS, self.name, decision.name, decision.new)
+
+    def _drifted(self) -> None:  # a settled rate drifted well below its own: tune again
+        self._said_stable = False
+        self.rec.tuner_stable = False
+        if self.tuner.retuned == "doubt":
+            log.warning("dataloader %r: the model asks for more workers than it settled at, "
+                        "window after window, while the loop waits for input: the tuner tries "
+                        "again", log_name(self.name))
+            return
+        log.warning("dataloader %r: samples/s fell %.0f%% below the rate it settled at while "
+                    "the loop waits for input: the tuner tries again", log_name(self.name),
+                    100 * DRIFT)
+
+    def _partial(self, mark: Mark) -> bool:
+        """Whether the window since `mark` is an epoch's tail after a mid-epoch window,
+        shorter than WINDOW: too short to judge, its batches go to no window."""
+        return (not self._window_at_iter
+                and (self.rec.last_batch_ns - mark.t_ns) / 1e9 < WINDOW)
+
+    def _window(self, mark: Mark, now: int) -> None:
+        """A window of WINDOW seconds (or, for a new pool, its first batches) has passed
+        in the loop: judged, and its change left pending for the loop (tuner_switch.py)."""
+        warming = self._warming
+        if (now - mark.t_ns) / 1e9 < (0.0 if warming else WINDOW):
+            return
+        if self.rec.batches - mark.batches < MIN_BATCHES:
+            return
+        with self._lock:
+            if self._mark is not mark or self.pending is not None or (
+                    self.tuner.stable and not self.rec.tuner_stable):
+                return
+            self._warming = False
+            if not warming and not paused(self.rec, mark, WINDOW):
+                epoch = epoch_since(self.rec, mark, self.name, flush=False, end_ns=now)
+                if epoch is None:
+                    return
+                settled = self.tuner.stable  # watched: tuned again if its rate drifts
+                self.pending = self.tuner.observe(epoch, budget())
+                if settled and not self.tuner.stable:
+                    self._drifted()
+                self._say_stable()
+            self._mark = take_mark(self.rec, None, flush=False, setting=self.tuner.current,
+                                   mid=True)
+            self._window_at_iter = False
+
+    def no_switch(self) -> None:
+        """The pending change cannot be made mid-epoch (torch's iterator lacks what it
+        needs): it is made at the next iter(), and no more windows are judged mid-epoch."""
+        self.midepoch = False
+        log.info("dataloader %r: the tuner cannot change its pool mid-epoch; it changes it "
+                 "between epochs", log_name(self.name))
+
+    def switch(self, loader: Any, decision: Decision) -> None:
+        """Sets the pending change on `loader` mid-epoch, its old pool ended (both
+        settings or neither)."""
+        with self._lock:
+            before = loader.num_workers, loader.prefetch_factor
+            s = decision.setting
+            try:
+                loader.prefetch_factor = s.prefetch if s.workers else None
+                loader.num_workers = s.workers
+            except BaseException:
+                for attr, value in zip(("num_workers", "prefetch_factor"), before,
+                                       strict=True):
+                    with contextlib.suppress(Exception):
+                        if getattr(loader, attr) != value:
+                            setattr(loader, attr, value)
+                raise
+            self._count(decision.name, decision.reason)
+            log.warning("%s (mid-epoch)", decision.line(log_name(self.name)))
+
+    def cannot_switch(self, loader: Any, previous: Setting, error: Exception) -> bool:
+        """A mid-epoch change from no workers failed to start its pool or its first batch:
+        back to `previous`, no more workers; False when the settings cannot be put back."""
+        now = loader.num_workers
+        try:
+            with self._lock:
+                loader.num_workers = previous.workers
+                loader.prefetch_factor = None if not previous.workers else previous.prefetch
+                self.tuner.cannot_run(previous)
+                self._count("num_workers", "reverted")
+        except Exception:
+            log.warning("dataloader %r: the tuner cannot undo its change",
+                        log_name(self.name), exc_info=True)
+            return False
+        say_failed(self.name, now, previous.workers, error, "goes on")
+        self._said_stable = False
+        self._say_stable()
+        return True

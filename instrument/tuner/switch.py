@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import compat
+from .. import compat
 
 
 class _Rest:
@@ -135,8 +135,8 @@ def switcher(loader: Any, instruments: Any, timed: Any, torch_iter: Callable[[An
     tuner's pending change made (module docstring). `torch_iter`: the loader's own
     __iter__; `again(torch_iter)`: the iter() planned and started anew
     (iter_start._again), its plan and iterator."""
-    from .tuner_epoch import setting_of
-    from .tuner_order import fresh_seed
+    from .epoch import setting_of
+    from .order import fresh_seed
 
     # The loop's iterator holds this closure: a weak reference back, so no cycle keeps
     # an abandoned iterator, and its workers, alive until the garbage collector runs.

@@ -40,15 +40,15 @@ from typing import Any
 
 import torch.utils.data
 
-from . import envsettings
-from .hotpath_batch import loader_len
-from .hotpath_iterator import TimedIterator
-from .instruments import Instruments
-from .iter_start import counter_for, instrumented_iter, prestart
-from .naming import built_by_framework, class_name, role_from_stack, site_name
-from .torch_originals import MARK, SELF_TIMED, TORCH_INIT, TORCH_ITER, is_lazy, self_timed
-from .zerocode_holders import held_loaders, holder_on_stack, rechunks
-from .zerocode_registry import (
+from .. import envsettings
+from ..hotpath.batch import loader_len
+from ..hotpath.iterator import TimedIterator
+from ..instruments import Instruments
+from ..iter_start import counter_for, instrumented_iter, prestart, timed_iterator
+from ..naming import built_by_framework, class_name, role_from_stack, site_name
+from ..torch_originals import MARK, SELF_TIMED, TORCH_INIT, TORCH_ITER, is_lazy, self_timed
+from .holders import held_loaders, holder_on_stack, rechunks
+from .registry import (
     Mode,
     Naming,
     by_dataset,
@@ -306,7 +306,7 @@ def holder_iter(holder: Any, inner: list[Any], instruments: Instruments,
     hold(inner, instruments)
     instruments.start_epoch(inner[0])
     count = loader_len if rechunks(holder, inner) else counter_for(inner[0])
-    return TimedIterator(iterate(holder), instruments, start, 0, count)
+    return timed_iterator(iterate(holder), instruments, start, 0, count)
 
 
 # --- loaders instrumented by hand ---------------------------------------------------

@@ -21,9 +21,9 @@ from typing import Any, Generic, TypeGuard, TypeVar
 from dataloader_exporter.core.envnames import ENV_SETTINGS
 from dataloader_exporter.core.settings import log_name
 
-from . import envsettings
-from .instruments import Instruments
-from .torch_originals import MARK, TORCH_ITER
+from .. import envsettings
+from ..instruments import Instruments
+from ..torch_originals import MARK, TORCH_ITER
 
 log = logging.getLogger("dataloader_exporter.instrument")
 

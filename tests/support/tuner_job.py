@@ -26,7 +26,7 @@ from torch.utils.data import DistributedSampler
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.instrument import tuner_budget
+from dataloader_exporter.instrument.tuner import budget as tuner_budget
 from support.torch_helpers import BurnDataset, SleepDataset
 
 TUNER_METRICS = (cat.TUNER_CHANGES.name, cat.TUNER_STABLE.name)

@@ -1,8 +1,8 @@
-"""An epoch whose plan is kept (iter_start._kept_iter) records its first batch in C
-(hotpath_base.kept, quick): the same batches as torch's own loader, and the same counts,
-epochs, first-batch waits and full-batch arming as the Python path (_first) gives them, for
-every kind of batch the C path counts and for those it hands back to Python. And nothing
-in an epoch's start asks for the loader's __dict__, which would slow torch's own iter()."""
+"""An epoch whose plan is kept from the last iter() (iter_start._kept_iter, a loader
+without workers or tuner whose settings did not change): the same batches as torch's own
+loader, and the same counts, epochs, first-batch waits and full-batch arming as a loader
+planned anew at every iter(), for every kind of batch. And nothing in an epoch's start
+asks for the loader's __dict__, which would slow torch's own iter()."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from torch.utils.data import Dataset, TensorDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.instrument import hotpath_base, iter_start
-from dataloader_exporter.instrument.hotpath_iterator import TimedIterator
+from dataloader_exporter.instrument import iter_start
+from dataloader_exporter.instrument.hotpath.iterator import BYTES_EVERY, TimedIterator
 
 pytestmark = pytest.mark.torch
 
@@ -55,14 +55,14 @@ def _named(i: int) -> tuple[str, torch.Tensor]:  # a column of strings first: Py
     return f"s{i}", torch.tensor(i)
 
 
-# (item, loader arguments, the dataset's length at each epoch, whether C counts its batches)
+# (item, loader arguments, the dataset's length at each epoch)
 CASES = {
-    "tuple": (_pair, {"batch_size": 4}, [30, 30, 30, 30], True),
-    "dict-shuffled": (_record, {"batch_size": 5, "shuffle": True}, [23, 23, 23], True),
-    "tensor-drop-last": (_tensor, {"batch_size": 4, "drop_last": True}, [18, 18, 18], True),
-    "grows-and-shrinks": (_pair, {"batch_size": 4}, [30, 41, 9, 30, 3], True),
-    "one-batch": (_pair, {"batch_size": 64}, [10, 10, 10], True),
-    "strings-first": (_named, {"batch_size": 4}, [14, 14, 14], False),
+    "tuple": (_pair, {"batch_size": 4}, [30, 30, 30, 30]),
+    "dict-shuffled": (_record, {"batch_size": 5, "shuffle": True}, [23, 23, 23]),
+    "tensor-drop-last": (_tensor, {"batch_size": 4, "drop_last": True}, [18, 18, 18]),
+    "grows-and-shrinks": (_pair, {"batch_size": 4}, [30, 41, 9, 30, 3]),
+    "one-batch": (_pair, {"batch_size": 64}, [10, 10, 10]),
+    "strings-first": (_named, {"batch_size": 4}, [14, 14, 14]),
 }
 
 
@@ -76,35 +76,36 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _run(case: str, quick: bool, monkeypatch: pytest.MonkeyPatch,
-         registry: CollectorRegistry) -> tuple[list[Any], list[bool], int]:
+def _run(case: str, keep: bool, monkeypatch: pytest.MonkeyPatch,
+         registry: CollectorRegistry) -> tuple[list[Any], int, int]:
     """Each epoch of the case side by side with torch's loader (the same batches, asserted);
-    what the instrumented loader's recorder holds after each epoch; the Python _first
-    calls."""
-    make, kwargs, lengths, _ = CASES[case]
+    what the instrumented loader's recorder holds after each epoch; the iter()s taken by a
+    kept plan, and the first batches recorded. keep=False: a plan is never kept."""
+    make, kwargs, lengths = CASES[case]
     data = Resized(lengths[0], make)
     shuffled = kwargs.get("shuffle", False)
     gens = [torch.Generator().manual_seed(3) for _ in range(2)] if shuffled else [None, None]
     bare = torch.utils.data.DataLoader(data, generator=gens[0], **kwargs)
     ours = instrument.DataLoader(data, name="t", registry=registry, generator=gens[1],
                                  **kwargs)
-    firsts = []
-    made = iter_start.kept_timed
+    kept_iters, firsts = [0], [0]
+    made = iter_start._kept_iter
 
-    def kept_timed(*args: Any) -> Any:
-        timed = made(*args[:-1], args[-1] and quick)
-        firsts.append(timed._quick)
+    def kept_iter(*args: Any) -> Any:
+        timed = made(*args)
+        kept_iters[0] += timed is not None
         return timed
 
-    calls = [0]
     first = TimedIterator._first
 
     def counted_first(self: TimedIterator, batch: Any, t1: int) -> Any:
-        calls[0] += 1
+        firsts[0] += 1
         return first(self, batch, t1)
 
-    monkeypatch.setattr(iter_start, "kept_timed", kept_timed)
+    monkeypatch.setattr(iter_start, "_kept_iter", kept_iter)
     monkeypatch.setattr(TimedIterator, "_first", counted_first)
+    if not keep:
+        monkeypatch.setattr(iter_start._Kept, "of", classmethod(lambda cls, *a: None))
     states = []
     rec = ours._instruments.rec
     for n in lengths:
@@ -117,47 +118,43 @@ def _run(case: str, quick: bool, monkeypatch: pytest.MonkeyPatch,
         states.append((rec.batches, rec.samples, rec.samples_known, rec.epochs, rec.iters,
                        ours._instruments.epochs, int(rec.first_h.counts.sum()),
                        rec.first_at_ns > 0, exported, samples, len(want)))
-    return states, firsts, calls[0]
+    return states, kept_iters[0], firsts[0]
 
 
-@pytest.mark.skipif(not hotpath_base.NATIVE, reason="the C build is missing")
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_kept_epochs_first_batch_is_recorded_in_c_as_in_python(
+def test_a_kept_plan_records_an_epoch_as_a_plan_made_anew(
         case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    quick_reg, python_reg = CollectorRegistry(), CollectorRegistry()
+    kept_reg, planned_reg = CollectorRegistry(), CollectorRegistry()
     with monkeypatch.context() as m:
-        states, quick, calls = _run(case, True, m, quick_reg)
+        states, kept, firsts = _run(case, True, m, kept_reg)
     with monkeypatch.context() as m:
-        python, slow, python_calls = _run(case, False, m, python_reg)
-    assert states == python, (states, python)
+        planned, never, planned_firsts = _run(case, False, m, planned_reg)
+    assert states == planned, (states, planned)
     epochs = len(CASES[case][2])
-    counted_in_c = CASES[case][3]
-    # The first epoch is planned; each later one is kept, and quick from the second on.
-    assert quick == [True] * (epochs - 1) and slow == [False] * (epochs - 1)
-    assert python_calls == epochs
-    assert calls == (1 if counted_in_c else epochs)
-    batches, samples, known, rec_epochs, iters, own_epochs, firsts, at, exported, _, _ = (
+    # The first epoch is planned; each later one is kept. One first batch an epoch, each
+    # through the one Python path.
+    assert (kept, never) == (epochs - 1, 0)
+    assert firsts == planned_firsts == epochs
+    batches, samples, known, rec_epochs, iters, own_epochs, first_h, at, exported, _, _ = (
         states[-1])
-    assert known and rec_epochs == iters == own_epochs == firsts == epochs and at
+    assert known and rec_epochs == iters == own_epochs == first_h == epochs and at
     assert exported == samples == sum(s[-2] for s in states)
     assert batches == sum(s[-1] for s in states)
     for name in (cat.BATCHES.name, cat.SAMPLES.name, cat.EPOCHS.name):
-        assert value(quick_reg, name, **L) == value(python_reg, name, **L)
+        assert value(kept_reg, name, **L) == value(planned_reg, name, **L)
 
 
-@pytest.mark.skipif(not hotpath_base.NATIVE, reason="the C build is missing")
-def test_a_first_batch_due_for_its_bytes_goes_to_python(
-        registry: CollectorRegistry) -> None:
+def test_a_first_batch_due_for_its_bytes_samples_them(registry: CollectorRegistry) -> None:
     """A kept epoch's first batch that is the recorder's BYTES_EVERY-th batch samples the
-    batch's bytes (through _first), as any such batch does."""
-    every = hotpath_base.BYTES_EVERY
+    batch's bytes, as any such batch does; the full batches after it are not walked."""
+    every = BYTES_EVERY
     loader = instrument.DataLoader(TensorDataset(torch.zeros(every - 1, 2)), batch_size=1,
                                    name="t", registry=registry)
     rec = loader._instruments.rec
     assert sum(len(b[0]) for b in loader) == every - 1
     rec.batch_bytes = 1  # what an earlier sample said; batch every is sampled anew
     it = iter(loader)
-    assert it._quick
+    assert loader._instruments.kept is not None
     next(it)
     assert rec.batches == every and rec.batch_bytes == 8
     rec.batch_bytes = 1
