@@ -10,7 +10,7 @@ CODE := dataloader_exporter core exporter diagnosis instrument dashboards
 NOTORCH ?= .venv-notorch
 NOTORCH_STAMP := $(NOTORCH)/.installed
 
-.PHONY: demo test lint typecheck unit notorch quick prometheus bench clean docs
+.PHONY: demo test lint typecheck unit notorch purepython quick prometheus bench clean docs
 
 $(STAMP): pyproject.toml setup.py instrument/hotpath/_hotpath.c
 	$(PYTHON) -m venv $(VENV)
@@ -55,7 +55,15 @@ unit: $(STAMP) prometheus
 notorch: $(NOTORCH_STAMP) prometheus
 	$(NOTORCH)/bin/pytest -m "not torch"
 
-test: lint typecheck notorch unit
+# The per-batch path's Python build (what runs where the C extension could not be built),
+# through the same hot-path and loader tests as the C build.
+PURE_TESTS := tests/test_hotpath_base.py tests/test_kept_plan.py tests/test_loader_counts.py \
+	tests/test_loader_metrics.py tests/test_loader_transparent.py tests/test_loader_loop_cpu.py \
+	tests/test_worker_liveness.py
+purepython: $(STAMP)
+	DATALOADER_EXPORTER_PURE_PYTHON=1 $(VENV)/bin/pytest $(PURE_TESTS)
+
+test: lint typecheck notorch unit purepython
 
 # The quick loop while editing, about a minute on 2 cores: every test but those marked slow
 # (real Prometheus servers, torchrun, frameworks, packaging venvs, many processes), with

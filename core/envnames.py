@@ -11,3 +11,4 @@ ENV_DIR = ENV_PREFIX + "DIR"  # the snapshot directory the trainer writes, the s
 ENV_SETTINGS = ENV_PREFIX + "SETTINGS"  # loader settings applied at construction
 ENV_AUTO = ENV_PREFIX + "AUTO"  # zero-code mode: instrument every DataLoader of a process
 ENV_SERIES = ENV_PREFIX + "SERIES"  # the trainer's series per loader and rank: full or job
+ENV_PURE_PYTHON = ENV_PREFIX + "PURE_PYTHON"  # the loader's per-batch path in Python, not C

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.machinery
+import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 from dataloader_exporter import __version__
+from dataloader_exporter.core.envnames import ENV_PURE_PYTHON
 
 PROG = "dataloader-exporter"
 
@@ -69,13 +74,30 @@ def load(name: str) -> ModuleType | str:
                 f"installed): pip install '{PROG}[{command.extra}]'")
 
 
+def hot_path_build() -> str:
+    """Which build of the loader's per-batch path a trainer of this install runs, found
+    without importing torch or the extension: the C extension where it was built at
+    install, else the same code in Python (docs/design/hotpath.md)."""
+    if importlib.util.find_spec("torch") is None:
+        return "none (the trainer side needs the torch extra)"
+    if os.environ.get(ENV_PURE_PYTHON, "") not in ("", "0"):
+        return f"Python ({ENV_PURE_PYTHON} is set)"
+    spec = importlib.util.find_spec("dataloader_exporter.instrument")  # not run: no torch
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            built = Path(folder, "hotpath", "_hotpath" + suffix)
+            if built.is_file():
+                return f"C ({built})"
+    return "Python (instrument/hotpath/_hotpath.c was not built at install)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         (sys.stdout if args else sys.stderr).write(_usage())
         return 0 if args else 2
     if args[0] == "--version":
-        print(f"{PROG} {__version__}")
+        print(f"{PROG} {__version__}\nper-batch path: {hot_path_build()}")
         return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:

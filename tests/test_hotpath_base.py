@@ -30,15 +30,33 @@ except ImportError:  # test_the_c_build_is_what_runs says why
     pass
 
 
-def test_the_c_build_is_what_runs() -> None:
+def test_the_c_build_is_what_runs_unless_python_is_asked_for() -> None:
     """The project's install builds the extension (setup.py; gcc and the Python headers
-    are on these machines): a silent fall back to Python would cost every batch."""
-    assert os.environ.get(hotpath_base.PURE_PYTHON_ENV) is None
+    are on these machines): a silent fall back to Python would cost every batch. `make
+    test` also runs the per-batch and loader tests with DATALOADER_EXPORTER_PURE_PYTHON=1,
+    where the Python build must be what runs."""
+    if os.environ.get(hotpath_base.PURE_PYTHON_ENV) == "1":
+        assert not hotpath_base.NATIVE and hotpath_base.Timed is hotpath_base.PyTimed
+        return
     assert hotpath_base.NATIVE, "instrument/hotpath/_hotpath.c was not built: pip install -e ."
     assert hotpath_base.Timed.__module__ == "dataloader_exporter.instrument.hotpath._hotpath"
 
 
-@pytest.mark.skipif(not hotpath_base.NATIVE, reason="the C build is missing (see above)")
+def test_the_version_says_which_build_a_trainer_runs_without_loading_torch() -> None:
+    code = ("import sys; from dataloader_exporter.cli import main; main(['--version']); "
+            "assert 'torch' not in sys.modules and '_hotpath' not in str(sorted(sys.modules))")
+    said = {}
+    for pure in ("", "1"):
+        env = {**os.environ, hotpath_base.PURE_PYTHON_ENV: pure}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        said[pure] = done.stdout.splitlines()[1]
+    assert said["1"] == "per-batch path: Python (DATALOADER_EXPORTER_PURE_PYTHON is set)"
+    assert said[""].startswith("per-batch path: C (") and "_hotpath" in said[""]
+
+
+@pytest.mark.skipif(not hotpath_base.NATIVE, reason="the C build is not what runs (see above)")
 def test_the_c_build_holds_only_the_per_batch_state() -> None:
     """The clock's readings, the rings, the loop's counters and a worker's row: nothing a
     subclass, the first batch or the tuner needs, so a Python field never touches C."""
@@ -286,7 +304,7 @@ def test_the_python_build_runs_a_loader_the_same(tmp_path: Path) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
-@pytest.mark.skipif(not hotpath_base.NATIVE, reason="the C build is missing (see above)")
+@pytest.mark.skipif(not hotpath_base.NATIVE, reason="the C build is not what runs (see above)")
 def test_a_workers_beat_writes_its_row_the_same_in_both_builds() -> None:
     """_hotpath.beat (by the row's address) and py_beat (on a numpy view) write the same
     fields of a worker's row: counts, pid, clocks, run-queue wait and the first batch's."""

@@ -113,6 +113,7 @@ def test_a_torch_free_install_runs_the_sidecar_and_names_the_extras_it_lacks(
     assert probe.returncode != 0, "the base install must not bring torch"
     version = command(python, "--version")
     assert version.returncode == 0 and "dataloader-exporter" in version.stdout
+    assert "per-batch path: none (the trainer side needs the torch extra)" in version.stdout
     for name, extra in (("demo", "torch"), ("dashboards", "dashboards")):
         result = command(python, name)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
@@ -153,6 +154,13 @@ def test_the_torch_extra_alone_runs_an_instrumented_loader(tmp_path: Path, wheel
                             cwd=tmp_path, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "6", result.stderr
     assert command(python, "demo", "--help").returncode == 0
+    # The wheel was built here, with a C compiler: its per-batch path is the C build.
+    code = ("from dataloader_exporter.instrument.hotpath import base; "
+            "print(base.NATIVE, base.Timed.__module__)")
+    built = subprocess.run([str(python), "-c", code], capture_output=True, text=True,
+                           cwd=tmp_path, timeout=300)
+    assert built.stdout.split() == ["True", "dataloader_exporter.instrument.hotpath._hotpath"]
+    assert "per-batch path: C (" in command(python, "--version").stdout
 
 
 def test_the_wheel_ships_zero_code_modes_start_up_hook(wheel: Path) -> None:

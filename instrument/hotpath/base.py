@@ -37,7 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-PURE_PYTHON_ENV = "DATALOADER_EXPORTER_PURE_PYTHON"
+from dataloader_exporter.core.envnames import ENV_PURE_PYTHON
+
+PURE_PYTHON_ENV = ENV_PURE_PYTHON
 DRAIN_SLICE = 8192  # values taken in one call from C (the Python Ring): ~0.3 ms
 
 
