@@ -30,9 +30,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 WARMUP = 50
 
-# Pieces of the instrumented path, each replaced by a no-op of the same result (or, for
-# python_first, by the Python path it replaces: a negative saving).
-PIECES = ("settings", "shm", "arm", "kept_iter", "timed", "python_first")
+# Pieces of the instrumented path, each replaced by a no-op of the same result.
+PIECES = ("settings", "shm", "arm", "kept_iter", "timed")
 
 
 def child(which: str, epochs: int, without: list[str]) -> None:
@@ -55,15 +54,13 @@ def child(which: str, epochs: int, without: list[str]) -> None:
     for _ in range(WARMUP):  # the first also logs the config and keeps the plan
         next(iter(loader))
     kept = loader._instruments.kept if which != "bare" else None
-    made = iter_start.kept_timed
 
     def bare_kept_iter(loader: Any, inst: Any, kept: Any, start: int) -> Any:
-        return made(TimedIterator, TORCH_ITER(loader), inst.rec, inst, start, kept.count,
-                    kept.sized, True)
+        return TimedIterator(TORCH_ITER(loader), inst, start, 0, kept.count, kept.sized)
 
     noop = {  # (owner, attribute, replacement)
         # the kept plan's settings compared with the loader's
-        "settings": (iter_start, "same_attrs", lambda *a: True),
+        "settings": (iter_start, "_same_settings", lambda *a: True),
         # its /dev/shm size compared
         "shm": (iter_start, "process_shm_size", lambda: kept.shm),
         # the arming of the full-batch count: the sampler's length (torch's and the
@@ -73,8 +70,6 @@ def child(which: str, epochs: int, without: list[str]) -> None:
         "kept_iter": (iter_start, "_kept_iter", bare_kept_iter),
         # the whole instrumentation but the class: its __iter__ is torch's
         "timed": (type(loader), "__iter__", TORCH_ITER),
-        # the first batch recorded by the Python path (_first) instead of in C
-        "python_first": (iter_start, "kept_timed", lambda *a: made(*a[:-1], False)),
     }
     for name in without:
         owner, attr, fn = noop[name]

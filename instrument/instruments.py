@@ -1,7 +1,7 @@
 """A loader's instruments: its link to the recorder, the sinks and the advice, and what it
-does at each turn of an iteration that the timed iterator (hotpath_iterator.py) reports:
+does at each turn of an iteration that the timed iterator (hotpath/iterator.py) reports:
 iter(), the first batch, the end, an error, the tuner's readings. None of it runs per
-batch but the timed transfer (hotpath_transfer.py)."""
+batch but the timed transfer (hotpath/transfer.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # the tuner is loaded for a tuned loader only
 log = logging.getLogger("dataloader_exporter.instrument")
 
 FINE_READ = 0.25  # seconds between readings of a loader tuned in windows mid-epoch
-PROBE_EVERY = 1 << 15  # batches between readings of a tuned epoch (hotpath_recorder.MAX_UNREAD / 4)
+PROBE_EVERY = 1 << 15  # batches between readings of a tuned epoch (recorder.MAX_UNREAD / 4)
 WAIT_WRITE = 1.0  # seconds the loop's exception waits for the snapshot of a dead worker
 
 
@@ -44,7 +44,7 @@ class Instruments:
     """One loader object's link to its recorder, sinks and advice.
 
     explicit: built by instrument.DataLoader or wrap() (not by zero-code mode), so a loader
-    that is never iterated is worth a word (see zerocode_registry.py).
+    that is never iterated is worth a word (see zerocode/registry.py).
     """
 
     def __init__(self, name: str, registry: Any, metrics_dir: str | None,
@@ -60,7 +60,7 @@ class Instruments:
         self.metrics_dir = metrics_dir
         self.port = port
         self.explicit = explicit
-        self.loader_class: type | None = None  # the class of the loader adopted (zerocode_hooks)
+        self.loader_class: type | None = None  # the class of the loader adopted (zerocode/hooks.py)
         self.iterated = False
         self.gpu_checked = False  # to_device onto CUDA has looked up the GPU's UUID
         self.hub: Hub = hub_for(registry)
@@ -110,7 +110,7 @@ class Instruments:
         self._failures.problem(cause, "dataloader %r%s: %s", log_name(self.name), who, text)
 
     def at_iter(self, loader: Any) -> int | None:
-        """Before torch's iter(): the tuner's change, if the loader is tuned (tuner_loop.py).
+        """Before torch's iter(): the tuner's change, if the loader is tuned (tuner/loop.py).
         Returns the base seed for a persistent pool it rebuilt, else None."""
         self.rec.workers.loop.tid = threading.get_native_id()
         if self.tuning is None:
@@ -148,7 +148,7 @@ class Instruments:
         """For a tuned loader: the first batch count at which its figures are read in the
         loop (probed), so that the epoch's last reading is taken while its workers live
         (torch ends a non-persistent pool before its iterator raises StopIteration) and
-        no measurement is dropped unread in a long epoch (hotpath_recorder.MAX_UNREAD): after 8,
+        no measurement is dropped unread in a long epoch (recorder.MAX_UNREAD): after 8,
         16, 32, ... batches, then every PROBE_EVERY, and at the next-to-last batch when
         the epoch's length is known."""
         start = self._probe_start = self.rec.batches
@@ -274,19 +274,20 @@ class Instruments:
         rec.first.append(since_iter_ns)
         tuning = self.tuning
         if tuning is not None and not tuning.tuner.stable:  # tuning_now: the workers' first
-            self._read()  # sample of the epoch (tuner_loop.py)
+            self._read()  # sample of the epoch (tuner/loop.py)
             tuning = self.tuning
         self.iterated = True
         self.epochs += 1
         rec.epochs += 1
         try:
-            self.preflight.on_iter(self.config, self.epochs, tuning is not None and
-                                   "num_workers" in tuning.tuned and not tuning.advice_only)
+            if tuning is not None or not self.preflight.settled(self.config):
+                self.preflight.on_iter(self.config, self.epochs, tuning is not None and
+                                       "num_workers" in tuning.tuned and not tuning.advice_only)
         except Exception:  # advice must never stop training
             log.debug("preflight failed", exc_info=True)
         try:
             # Sampled here while unknown, and for the /dev/shm check, which only workers
-            # need; else every hotpath_base.BYTES_EVERY batches, across epochs.
+            # need; else every hotpath/iterator.BYTES_EVERY batches, across epochs.
             if self.config.num_workers:
                 rec.batch_bytes = batch_nbytes(batch)
                 self.preflight.on_first_batch(self.config, rec.batch_bytes)
@@ -332,7 +333,7 @@ class Instruments:
         """Labels dataloader_info with the GPU this loader's batches go to."""
         self.rec.gpu_uuid = uuid
 
-    # Moves a (nested) batch to a device, timed: per batch, so in hotpath_transfer.py.
+    # Moves a (nested) batch to a device, timed: per batch, so in hotpath/transfer.py.
     to_device = timed_to_device
 
 

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import operator
 import threading
 import warnings
 import weakref
@@ -41,7 +42,7 @@ log = logging.getLogger("dataloader_exporter.instrument")
 
 
 def counter_for(loader: Any) -> Counter:
-    """How a torch loader's batches are counted (hotpath_batch.py): by the shape
+    """How a torch loader's batches are counted (hotpath/batch.py): by the shape
     default_collate gives them, by the length their fields agree on (a custom collate_fn,
     checked against the samples it was given), or, with batch_size=None, only on evidence
     of a batch."""
@@ -147,16 +148,18 @@ class _Kept:
         return cls(values, count, sized, labels, shm)
 
 
+_settings_of = operator.attrgetter(*SETTINGS)
+
+
 def _same_settings(loader: Any, values: tuple[Any, ...]) -> bool:
-    """Whether the loader's SETTINGS still hold these values. Read as getattr() does,
-    never through loader.__dict__: once asked for, an instance's __dict__ slows every
-    later attribute read of it in CPython 3.11 (torch's own iter() of the loader by about
-    6,000 instructions)."""
-    for name, value in zip(SETTINGS, values, strict=True):
-        v = getattr(loader, name, _MISSING)
-        if v is not value and (v is _MISSING or v != value):
-            return False
-    return True
+    """Whether the loader's SETTINGS still hold these values. Read as getattr() does (one
+    attrgetter call), never through loader.__dict__: once asked for, an instance's
+    __dict__ slows every later attribute read of it in CPython 3.11 (torch's own iter() of
+    the loader by about 6,000 instructions)."""
+    try:
+        return bool(_settings_of(loader) == values)
+    except AttributeError:
+        return False
 
 
 def _kept_iter(loader: Any, instruments: Instruments, kept: _Kept, start: int) -> Any:
@@ -192,14 +195,14 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
                       quiet: bool = False) -> Any:
     """iter(loader) through its own __iter__ (`torch_iter`: torch's, or a subclass's),
     timed, its new workers given a TimedCollate while they start (their one hook, see
-    hotpath_workerblock.py); the loader's collate_fn is the user's again before this
+    hotpath/workerblock.py); the loader's collate_fn is the user's again before this
     returns.
 
     quiet: a holder (webdataset's WebLoader) measures the batches the loop takes; this
     iterator only reports the workers and the end of its epochs. A loader this cannot
     plan for (a subclass without torch's attributes) is iterated as it is, unmeasured.
     A subclass's __iter__ that returns a generator has not run torch's yet: it is
-    returned as it is, and measured where torch's runs (zerocode_hooks.py).
+    returned as it is, and measured where torch's runs (zerocode/hooks.py).
     """
     start = perf_counter_ns()
     kept = instruments.kept
