@@ -60,15 +60,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.instrument import (
-    hotpath_recorder,
     instruments,
     loader_collector,
     procstat,
     snapshot_writer,
-    tuner_loop,
     worker_tracker,
 )
+from dataloader_exporter.instrument.hotpath import recorder as hotpath_recorder
 from dataloader_exporter.instrument.hub import hub_for
+from dataloader_exporter.instrument.tuner import loop as tuner_loop
 
 Step = Callable[[], None] | None
 _LOOP = threading.main_thread()

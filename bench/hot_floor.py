@@ -11,7 +11,7 @@ the same torch iterator wrapped four ways:
   floor         that wrapper plus what timing a batch cannot do without: two
                 perf_counter_ns calls and one append of the pair to a deque
   instrumented  instrument.DataLoader's iterator (no snapshot writes: the loop alone), its
-                per-batch path in C (instrument/_hotpath.c); with
+                per-batch path in C (instrument/hotpath/_hotpath.c); with
                 DATALOADER_EXPORTER_PURE_PYTHON=1 set, the same in Python
 
 µs per batch, medians of rounds; added µs paired within a round. A per-batch path written

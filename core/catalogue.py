@@ -135,7 +135,7 @@ WORKERS_LOST = _m(
     "Worker processes that died while the loader still needed them (killed, crashed).",
     "", LOADER_LABELS, TRAINER)
 # CPU time, not wall time: a worker's wait for I/O cannot be timed without wrapping the
-# dataset, which torch and users inspect (instrument/hotpath_workerblock.py), so it is not guessed.
+# dataset, which torch and users inspect (instrument/hotpath/workerblock.py), so it is not guessed.
 WORKER_CPU = _m(
     "dataloader_worker_cpu_seconds_total", COUNTER,
     "CPU time (user and system) each worker process has used, start-up included, as of "
@@ -160,7 +160,7 @@ TRANSFER_BYTES = _m(
     "dataloader_transfer_bytes_total", COUNTER,
     "Tensor bytes moved host to device by to_device; absent until to_device moved a batch.",
     "bytes", LOADER_LABELS, TRAINER)
-# The loader tuner (opt-in, core/tuner_rules.py): present only for a loader being tuned.
+# The loader tuner (opt-in, core/tuner/rules.py): present only for a loader being tuned.
 TUNER_CHANGES = _m(
     "dataloader_tuner_changes_total", COUNTER,
     "Changes the loader tuner made to a setting (num_workers, prefetch_factor), by reason "

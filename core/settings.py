@@ -3,7 +3,7 @@
     DATALOADER_EXPORTER_SETTINGS="train.num_workers=8,train.prefetch_factor=4,*.persistent_workers=true"
 
 ``auto`` (num_workers and prefetch_factor only) hands the setting to the loader tuner
-(core/tuner_rules.py): it starts from the loader's own value and changes it between epochs.
+(core/tuner/rules.py): it starts from the loader's own value and changes it between epochs.
 
 Each item is ``LOADER.SETTING=VALUE``: a loader name (the ``loader`` label) or ``*`` for
 every loader, one of SETTINGS, and its value. A named item wins over a ``*`` item for the
@@ -24,7 +24,7 @@ from dataloader_exporter.core.envnames import ENV_SETTINGS
 from dataloader_exporter.core.problems import Problems
 
 ANY = "*"
-AUTO = "auto"  # the loader tuner sets it (core/tuner_rules.py)
+AUTO = "auto"  # the loader tuner sets it (core/tuner/rules.py)
 
 Value = int | bool | str  # str: only AUTO
 

@@ -1,4 +1,4 @@
-"""The loader tuner (core/tuner_rules.py) as the doctor sees it: whether a loader is
+"""The loader tuner (core/tuner/rules.py) as the doctor sees it: whether a loader is
 tuned, still trying or stable, the settings it runs with now and the changes it made.
 
 A tuned loader exports dataloader_tuner_stable (0 while the tuner tries, 1 once stable),

@@ -253,7 +253,7 @@ def loop_load(s: LoaderSignals) -> Load | None:
 
 
 def modelled(v: WorkerView, s: LoaderSignals, cpus: float) -> int | None:
-    """The worker count the tuner's model (core/tuner_model.py) chooses from this window's
+    """The worker count the tuner's model (core/tuner/model.py) chooses from this window's
     figures: per batch, the workers' running and blocked seconds and the step's (all of
     it counted as CPU: the trainer's own CPU time is not exported); None when a figure is
     missing."""

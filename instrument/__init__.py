@@ -5,7 +5,7 @@
 
 or, for a loader built elsewhere, ``loader = dataloader_exporter.wrap(loader,
 name="train")``; or no code at all: ``dataloader-exporter run -- COMMAND`` (zero-code mode,
-zerocode_hooks.py). Metrics go to snapshot files (metrics_dir= or $DATALOADER_EXPORTER_DIR)
+zerocode/hooks.py). Metrics go to snapshot files (metrics_dir= or $DATALOADER_EXPORTER_DIR)
 for the sidecar exporter, and/or are served in-process (port= or dataloader_exporter.serve()).
 
 The per-batch code lives in the hotpath_*.py modules; iter_start.py builds the iterator

@@ -58,7 +58,7 @@ def base_seed(iterator: Any) -> int:
 
 def shut_down(loader: Any, iterator: Any) -> bool:
     """Ends a persistent-workers loader's pool so that its next iter() builds a new one
-    with the loader's current settings (the tuner's change, tuner_loop.py): the one write to
+    with the loader's current settings (the tuner's change, tuner/loop.py): the one write to
     a private torch attribute. torch 2.13 reuses ``loader._iterator`` while it is set and
     ends its workers with ``_shutdown_workers()`` (its own __del__ calls the same).
     Without them, nothing is done and False is returned: the old pool is left to torch,

@@ -4,7 +4,7 @@ A loader class's own ``__init__`` takes a setting as its named parameter (torch'
 DataLoader, torchdata's StatefulDataLoader). A setting it does not name (a subclass that
 takes ``**kwargs``, or that passes its own value on) is left for torch's ``__init__`` if
 the class calls it, and otherwise named in one log line saying it was not applied
-(zerocode_hooks.py).
+(zerocode/hooks.py).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def apply(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     a loader that has none, with a warning, rather than failing a loader built mid-run;
     num_workers=0 drops the loader's own prefetch_factor and persistent_workers, which
     torch refuses without workers. only: apply just these settings (the rest were).
-    A setting given as ``auto`` is the tuner's (tuner_loop.py): the loader keeps its own
+    A setting given as ``auto`` is the tuner's (tuner/loop.py): the loader keeps its own
     value here.
     """
     settings = from_env()

@@ -2,9 +2,9 @@
 
 The training loop sees exactly what it would see without us: the same batches in the
 same order, the same len() and the same exceptions, and torch sees the user's own
-dataset, sampler and worker_init_fn (see hotpath_workerblock.py for the one hook,
+dataset, sampler and worker_init_fn (see hotpath/workerblock.py for the one hook,
 collate_fn, that the workers get wrapped). The iterator the loop takes:
-hotpath_iterator.py (two perf_counter_ns calls, two deque appends and a few integer
+hotpath/iterator.py (two perf_counter_ns calls, two deque appends and a few integer
 updates a batch), built at iter() by iter_start.py.
 """
 
@@ -195,7 +195,7 @@ def wrap(loader: Any, name: str = "default", metrics_dir: str | None = None,
 
     A torch DataLoader (or anything that passes isinstance as one, like Accelerate's
     prepared loaders, or a subclass such as torchdata's StatefulDataLoader) is returned
-    as it is, instrumented where its public __iter__ runs (zerocode_hooks.py): frameworks'
+    as it is, instrumented where its public __iter__ runs (zerocode/hooks.py): frameworks'
     isinstance checks still pass (so Lightning still adds its DistributedSampler), and its
     workers get the per-worker hook. A copy a framework builds over the same dataset keeps
     the name. An instrument.DataLoader or a loader wrapped already is returned unchanged

@@ -1,6 +1,6 @@
 """Names for loaders nobody named: framework roles, and the place in the code that built them.
 
-Zero-code mode names a loader once, when it is built (zerocode_hooks.py decides which rule
+Zero-code mode names a loader once, when it is built (zerocode/hooks.py decides which rule
 applies). The rules here read only the calling stack, never what was built before, so a
 name is the same on every rank and every restart of the same code:
 

@@ -304,7 +304,7 @@ class ProcAccount:
     def unsampled(self, own: list[tuple[int, int, int, int]]) -> None:
         """An ended pool's workers that no interval counted: their time from their first
         batch to their last, as each measured it (pid, CPU ns, its thread's run-queue
-        wait ns, wall ns; hotpath_workerblock.py): running, waiting (with the latest steal
+        wait ns, wall ns; hotpath/workerblock.py): running, waiting (with the latest steal
         estimate), and the rest blocked.
         Reads and faults are not known for it."""
         for pid, cpu, wait, wall in own:

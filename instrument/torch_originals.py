@@ -1,5 +1,5 @@
 """torch's own DataLoader methods, as they were before zero-code mode's hooks, and the marks
-the hooks go by: what zerocode_hooks.py shares with the code they call (iter_start.py) and
+the hooks go by: what zerocode/hooks.py shares with the code they call (iter_start.py) and
 with instrument.DataLoader (loader.py), so that neither side imports the other."""
 
 from __future__ import annotations

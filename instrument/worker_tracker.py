@@ -1,7 +1,7 @@
 """Liveness and per-worker totals of one loader name's worker processes, off the hot path.
 
 A generation is one torch iterator's workers: their shared-memory block
-(hotpath_workerblock.py; None for wrapped loaders) and their pids. It is watched while
+(hotpath/workerblock.py; None for wrapped loaders) and their pids. It is watched while
 its workers should be alive, and folded into per-worker totals, its block released, once
 torch's iterator is collected (torch has shut the workers down by then). The finalizer
 only queues the generation: the fold happens at the next locked call, so a garbage
@@ -61,7 +61,7 @@ def process_memory_available() -> int | None:
 
 class _Totals:
     """Per-worker-index totals of folded generations: CPU and samples summed, the latest
-    heartbeat, and the UNCOUNTED and MISCOUNTED flags summed (hotpath_workerblock.py).
+    heartbeat, and the UNCOUNTED and MISCOUNTED flags summed (hotpath/workerblock.py).
     Plain lists: a few workers' rows, folded at each short-lived pool's end."""
 
     __slots__ = ("beat", "cpu", "miscounted", "samples", "uncounted")

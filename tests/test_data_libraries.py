@@ -385,7 +385,7 @@ def test_settings_reach_a_subclass_through_torchs_init_or_are_said_not_to(
     assert "Fixed.__init__ takes no" not in out.stderr
 
 
-# --- the counting rules themselves (instrument/hotpath_batch.py) ----------------------------
+# --- the counting rules themselves (instrument/hotpath/batch.py) ----------------------------
 def _t(*shape: int) -> torch.Tensor:
     return torch.zeros(shape)
 

@@ -63,3 +63,10 @@ def test_the_readme_links_only_to_files_that_exist() -> None:
         if not (REPO / path).exists():
             missing.append(target)
     assert missing == []
+
+
+def test_the_performance_page_gives_current_figures_not_a_diary() -> None:
+    """Each figure once, with its command and target; its history is in the commit log."""
+    text = (REPO / "docs" / "performance.md").read_text()
+    assert len(text.splitlines()) <= 250
+    assert len(re.findall(r"\b20\d\d-\d\d-\d\d\b", text)) <= 8

@@ -245,7 +245,7 @@ def tuner_of(reg: CollectorRegistry, name: str) -> tuple[float | None, dict[str,
 
 def tune_until_stable(loader: Any, reg: CollectorRegistry, timeout: float = 60) -> None:
     """Epochs of a tuned loader until its tuner is stable (a few: it stops after
-    core.tuner_rules.MAX_TRIALS at the most)."""
+    core/tuner/rules.MAX_TRIALS at the most)."""
     end = time.monotonic() + timeout
     while tuner_of(reg, loader._instruments.name)[0] != 1 and time.monotonic() < end:
         for _ in loader:

@@ -164,7 +164,7 @@ def test_blocked_workers_get_the_tuners_count_within_the_cores_their_running_nee
     # 8 cores are no limit: the loop's 50 batches/s take 12 workers (NVMe's cap, 12,
     # binds). With a second rank its 4 cores hold 36 batches/s of the workers' and the
     # step's CPU: 7.3 workers busy, 9 with headroom for their blocked time, the tuner's
-    # model's first move (core/tuner_model.py).
+    # model's first move (core/tuner/model.py).
     figures: dict[str, Any] = {"workers": 2, "states": (9.0, 0.0, 11.0), "pss": 600 * MiB}
     assert diagnosis(**figures).workers.bottleneck == why.BLOCKED
     assert setting(diagnosis(**figures), "num_workers").value == "12"

@@ -276,7 +276,7 @@ def test_a_getitems_dataset_is_fetched_through_getitems_as_torch_does(
 def test_an_iterable_dataset_without_batching_gives_the_same_items(
         registry: CollectorRegistry) -> None:
     """Each item a lone tensor of shape [1]: one sample, or a batch of one? Not known, so
-    no sample count is given (item_len in instrument/hotpath_batch.py)."""
+    no sample count is given (item_len in instrument/hotpath/batch.py)."""
     _same_everywhere(RangeIterable(7), registry, None, batch_size=None, num_workers=2)
 
 

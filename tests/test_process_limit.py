@@ -1,5 +1,5 @@
 """The process limit the tuner's budget reads beside the open-file limit
-(instrument/tuner_budget.py worker_limit): a container's pids cgroup (pids.max less
+(instrument/tuner/budget.py worker_limit): a container's pids cgroup (pids.max less
 pids.current, v2 or v1), read from fixtures and from a real cgroup v1 pids controller."""
 
 from __future__ import annotations

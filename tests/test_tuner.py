@@ -1,4 +1,4 @@
-"""The tuner's decisions (core/tuner_rules.py), driven by a small model of an input pipeline
+"""The tuner's decisions (core/tuner/rules.py), driven by a small model of an input pipeline
 whose figures are those the instrumentation measures: samples/s, the loop's stall share,
 the workers' running and waiting-for-CPU shares. The real loop, with real workers, is
 test_tuner_loader.py's; these tests pin the rules: converge, stay, respect budgets, go

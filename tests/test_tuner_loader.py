@@ -1,4 +1,4 @@
-"""The loader tuner in a real loop (instrument/tuner_loop.py): its changes happen between
+"""The loader tuner in a real loop (instrument/tuner/loop.py): its changes happen between
 iterators and never change the data. Each case runs torch's own DataLoader and the tuned
 one side by side over the same dataset, seed and epochs, and compares every batch.
 One module, though long: every case is that comparison, through the same epoch helpers."""

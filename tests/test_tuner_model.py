@@ -1,5 +1,5 @@
-"""The tuner's model (core/tuner_model.py), its judge under noise (core/tuner_judge.py) and
-the rules that use them (core/tuner_rules.py), on simulated pipelines of every kind the
+"""The tuner's model (core/tuner/model.py), its judge under noise (core/tuner/judge.py) and
+the rules that use them (core/tuner/rules.py), on simulated pipelines of every kind the
 tuner must handle: CPU-bound samples with a trivial or a real step, samples blocked on
 storage, a step that waits off the CPU. The real loop is test_tuner_loader.py's."""
 

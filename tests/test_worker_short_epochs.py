@@ -1,6 +1,6 @@
 """Where the workers' time goes in an epoch too short for two /proc readings (a short
 validation epoch): each worker's own figures, from its first batch to its last
-(hotpath_workerblock.py), counted when its pool ends; what they cannot say (reads,
+(instrument/hotpath/workerblock.py), counted when its pool ends; what they cannot say (reads,
 faults, memory) stays absent. The doctor reads the same counters."""
 
 from __future__ import annotations

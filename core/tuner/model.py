@@ -1,5 +1,5 @@
 """A model of an input pipeline: the batches/s that n workers give, from what one setting
-measured. Pure. The tuner's moves (core/tuner_rules.py) and the doctor's num_workers
+measured. Pure. The tuner's moves (core/tuner/rules.py) and the doctor's num_workers
 advice both come from it.
 
 Per batch, under the setting measured:

@@ -5,7 +5,7 @@ Pure: the instrumentation feeds it what it measured and applies what it decides.
 Rules, from measured figures only (an unknown figure blocks the move it would justify):
 - more workers only while the loop waits for input (stall at or over bands.MODERATE) and
   no worker waits for a CPU (under bands.CPU_CONTENTION): straight to the count the model
-  (core/tuner_model.py) predicts removes the wait, from the per-batch figures (how long a
+  (core/tuner/model.py) predicts removes the wait, from the per-batch figures (how long a
   batch takes to make and how much of it is CPU, the loop's time and CPU), within the
   budget: the rank's cores as CPU time (blocked workers take a small share each), memory,
   /dev/shm, the process and open-file limits. Without the per-batch figures: one worker
@@ -15,7 +15,7 @@ Rules, from measured figures only (an unknown figure blocks the move it would ju
 - a deeper queue (prefetch_factor) when the loop waits in bursts (p95 far above the
   median) while the workers do not run most of their time;
 - every change but a cut for memory is a trial, judged on the next window under the
-  noise measured (core/tuner_judge.py): kept, undone (back to the best, that way never
+  noise measured (core/tuner/judge.py): kept, undone (back to the best, that way never
   again), or measured once more: never slower than its own settings past a window or two.
   After MAX_TRIALS, or when no rule fires, it is stable (where the loop waits but the
   workers' shares are unknown, it waits UNSEEN_EPOCHS epochs for them), but for drift or

@@ -1,4 +1,4 @@
-"""What the loader tuner's rules (core/tuner_rules.py) take and give: a setting, the
+"""What the loader tuner's rules (core/tuner/rules.py) take and give: a setting, the
 budget a rank may use, what a window measured, and a decision. Pure data."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Epoch:
     batch_bytes: int | None = None
     burstiness: float | None = None  # fetch wait p95 / median
     unit: str = "samples"  # what samples_per_s counts: "batches" where samples cannot be
-    load: Load | None = None  # per-batch figures for the model (core/tuner_model.py)
+    load: Load | None = None  # per-batch figures for the model (core/tuner/model.py)
 
 
 @dataclass(frozen=True)

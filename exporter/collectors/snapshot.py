@@ -71,7 +71,7 @@ _TRAINER: dict[str, cat.Metric] = {m.name: m for m in cat.ALL if m.source == cat
 _RETIRED: dict[str, cat.Metric] = {m.name: m for m in cat.RETIRED}
 _ADDED = frozenset(m.name for m in cat.ADDED)
 # What instrument/loader_collector.py writes for every (loader, rank) it knows.
-# (Not samples: a count that cannot be known is left out, instrument/hotpath_batch.py.)
+# (Not samples: a count that cannot be known is left out, instrument/hotpath/batch.py.)
 _ALWAYS = frozenset(m.name for m in (cat.BATCHES, cat.EPOCHS, cat.WORKERS_LOST))
 _PHASES = frozenset((cat.PHASE_FETCH, cat.PHASE_TRANSFER))
 _INF_ONLY = ("+Inf",)
@@ -211,7 +211,7 @@ class _Shape:
     former: tuple[str, ...]  # an older writer's (cat.FORMER_LABELS), else names
     loader: int  # where loader and rank are among them (loader -1: a process's series)
     rank: int
-    bounds: tuple[str, ...]  # le values, as instrument/hotpath_recorder.py writes them
+    bounds: tuple[str, ...]  # le values, as instrument/hotpath/recorder.py writes them
     # Every layout allowed, by its first two le values (the second "" for +Inf alone: the
     # next line is _count's): a former layout may share its first le with the current one.
     layouts: dict[tuple[str, str], tuple[str, ...]]

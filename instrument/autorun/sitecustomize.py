@@ -7,7 +7,7 @@ at start-up, in the command and in every Python process it starts (torchrun's ra
 Lightning's DDP processes, `accelerate launch`), since they inherit the environment.
 
 Start-up costs only stdlib imports: a settings line is checked at once (a bad one is an
-error before anything runs), and the DataLoader hook (instrument/zerocode_hooks.py) is
+error before anything runs), and the DataLoader hook (instrument/zerocode/hooks.py) is
 installed right after `torch` has been imported, never in a process that does not import
 torch. Then the next sitecustomize on the path (a distribution's or your own) runs, as it
 would without this one.

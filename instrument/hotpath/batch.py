@@ -10,7 +10,7 @@ Samples in a batch, by who made it (chosen once per iterator, iter_start.counter
   tensor whose first dimension is the batch, or a list of strings or bytes as long as
   the batch. Exact by construction.
 - batch_len: a custom collate_fn's batch, whose count is then checked against the
-  samples the collate_fn was given (hotpath_workerblock.py): the length its fields
+  samples the collate_fn was given (workerblock.py): the length its fields
   (columns) agree on, where a field's length is a tensor's or array's first dimension, a
   list's or tuple's length, or a nested record's own count; fields that disagree make it
   unknown.

@@ -74,8 +74,8 @@ class LoaderRecorder(Counts):
         self.transfer = Ring(MAX_UNREAD)
         self.epochs = 0  # epochs begun (first batches)
         self.first_at_ns = 0  # perf_counter_ns of the latest epoch's first batch (0: none)
-        # False once a batch's samples could not be counted (hotpath_batch.py,
-        # hotpath_workerblock.py): the total is then unknown and not exported, for the
+        # False once a batch's samples could not be counted (batch.py,
+        # workerblock.py): the total is then unknown and not exported, for the
         # rest of the process.
         self.samples_known = True
         self.iters = 0  # iter()s of the loaders of this name (the tuner's check)
@@ -87,7 +87,7 @@ class LoaderRecorder(Counts):
         self.gpu_uuid = ""  # the GPU batches go to (dataloader_info), "" until known
         self.exited_at: float | None = None  # Unix time of a normal exit (Hub.exiting)
         self.workers = WorkerTracker()
-        # The loader tuner (tuner_loop.py): changes by (setting, reason); whether it is stable
+        # The loader tuner (tuner/loop.py): changes by (setting, reason); whether it is stable
         # (None: not tuned); its check after each flush.
         self.tuner_changes: dict[tuple[str, str], int] = {}
         self.tuner_stable: bool | None = None
@@ -128,7 +128,7 @@ class LoaderRecorder(Counts):
         return self.workers.loop.tid
 
     def miscount(self) -> None:
-        """A batch's count was found wrong (a custom collate_fn, hotpath_workerblock.py)."""
+        """A batch's count was found wrong (a custom collate_fn, workerblock.py)."""
         self.samples_known = False
 
     def _completed_events(self) -> list[int]:

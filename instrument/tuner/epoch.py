@@ -1,4 +1,4 @@
-"""What one epoch of a tuned loader measured, as the tuner judges it (core.tuner_rules.Epoch).
+"""What one epoch of a tuned loader measured, as the tuner judges it (core/tuner/types.Epoch).
 
 A mark holds the loader's counters at an epoch's iter(); the epoch since a mark is read
 from the same counters at the next iter() (or, in a long epoch, while it runs):
@@ -13,7 +13,7 @@ from the same counters at the next iter() (or, in a long epoch, while it runs):
 - the memory one worker takes (PSS, else its largest RSS; with no worker yet, the main
   process's RSS, which a forked worker can at most take), and a batch's bytes;
 - the fetch waits' burstiness (95th percentile over the median, from the histogram);
-- per batch, for the model (core/tuner_model.py): the time a batch takes to make and its
+- per batch, for the model (core/tuner/model.py): the time a batch takes to make and its
   CPU share (with workers: their running and blocked time; without: the fetch's wall
   time and the loop thread's CPU time in it, CpuTimedIterator), the loop's time (the
   step) and the training process's CPU time outside the fetch.

@@ -1,21 +1,21 @@
-"""The loader tuner at work: core.tuner_rules decides, this measures and applies.
+"""The loader tuner at work: core/tuner/rules.py decides, this measures and applies.
 
 A loader is tuned only when asked: ``auto`` in $DATALOADER_EXPORTER_SETTINGS
 (``train.num_workers=auto``) or ``tune=`` on instrument.DataLoader. At each iter() the
-epoch that ran since the previous iter() (tuner_epoch.py) is judged against this rank's
-budget, read each time (tuner_budget.py).
+epoch that ran since the previous iter() (epoch.py) is judged against this rank's
+budget, read each time (budget.py).
 
 A change is applied only between iterators, before torch's __iter__ runs: the public
 ``num_workers`` and ``prefetch_factor`` attributes. A persistent pool is shut down and
 built anew at that iter() (its start counts in that epoch's figures), and the batches
-keep their order (tuner_order.py). An IterableDataset's worker count decides how it is
+keep their order (order.py). An IterableDataset's worker count decides how it is
 split: the tuner never changes it there. Where a change would change the order, the
 tuner only says what it would set.
 
 Where the pool can change without changing what the loop sees (a torch DataLoader over a
 map-style dataset, batches in order, a sampler that lets a new pool keep the order), the
 tuner judges windows of WINDOW seconds in the loop and changes the pool mid-epoch
-(tuner_switch.py); a new pool's first batches are not judged (its start is its own
+(switch.py); a new pool's first batches are not judged (its start is its own
 figure). Elsewhere an epoch still running after LONG_EPOCH (one-epoch pre-training) is
 judged in the loop: a loader that resumes exactly from its state_dict() (torchdata's
 StatefulDataLoader) takes a prefetch_factor change there: state_dict(), the setting,
@@ -376,7 +376,7 @@ class LoaderTuning:
 
     def _window(self, mark: Mark, now: int) -> None:
         """A window of WINDOW seconds (or, for a new pool, its first batches) has passed
-        in the loop: judged, and its change left pending for the loop (tuner_switch.py)."""
+        in the loop: judged, and its change left pending for the loop (switch.py)."""
         warming = self._warming
         if (now - mark.t_ns) / 1e9 < (0.0 if warming else WINDOW):
             return

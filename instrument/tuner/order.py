@@ -33,7 +33,7 @@ def order_bound(loader: Any, workers: int) -> str | None:
     if lazy_sampler(index):
         return None
     if workers and not getattr(loader, "persistent_workers", False):
-        return None  # among worker counts of 1 and more (never 0: see core/tuner_rules.py)
+        return None  # among worker counts of 1 and more (never 0: see core/tuner/rules.py)
     pool = "rebuilding its persistent workers" if workers else "starting workers"
     return (f"its sampler ({type(index).__qualname__}) draws its order when an iterator is "
             f"built, so {pool} would change the order of the batches")

@@ -6,7 +6,7 @@ the batches its workers have in flight, in order, and ends. Then a new iterator 
 new settings starts on the very same sampler iterator (iterator_on), so the loop sees the
 same batches in the same order, and nothing more is drawn from the loader's generator or
 torch's RNG than an untuned epoch draws: the new iterator's base seed comes from a
-generator of its own (tuner_order.fresh_seed), and its index sampler is the user's again
+generator of its own (order.fresh_seed), and its index sampler is the user's again
 once it is built. The new pool starts only once the old one has ended (its memory is
 never held twice); a persistent pool is shut down and replaced as the loader's own.
 """

@@ -4,7 +4,7 @@ A holder (HOLDERS: webdataset's WebLoader, whose ``.unbatched().batched(n)`` mak
 batches the loop takes) is measured where the loop iterates it: its torch loader then
 only reports its workers and settings ("held", quietly), so batches are counted once, as
 the loop saw them. wrap() of a holder does the same, and keeps measuring through its
-chain methods. How a holder's iteration is hooked: zerocode_hooks.py.
+chain methods. How a holder's iteration is hooked: hooks.py.
 """
 
 from __future__ import annotations

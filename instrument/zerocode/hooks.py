@@ -17,8 +17,8 @@ sampler, collate_fn and worker_init_fn (see iter_start.instrumented_iter).
 Which loaders: those adopted by wrap() or instrument.DataLoader, and the copies a
 framework's code (naming.FRAMEWORKS) builds of them over the same dataset object, under
 the same name; in zero-code mode (install(auto=True), see autorun/sitecustomize.py) every
-loader; and the torch loaders of a holder (zerocode_holders.py). An instrument.DataLoader
-times itself and is never counted twice. What the hooks remember: zerocode_registry.py.
+loader; and the torch loaders of a holder (holders.py). An instrument.DataLoader
+times itself and is never counted twice. What the hooks remember: registry.py.
 
 Names in zero-code mode, decided once when a loader is built: the explicit name of an
 instrumented loader over the same dataset; else the role of the framework method
@@ -264,7 +264,7 @@ def _naming_for(dataset: Any) -> Naming:
     return Naming(site_name() or class_name(dataset))
 
 
-# --- holders (webdataset's WebLoader, zerocode_holders.py) ---------------------------
+# --- holders (webdataset's WebLoader, holders.py) ---------------------------
 def hold(inner: list[Any], instruments: Instruments) -> None:
     """From now on these loaders' iterations report to a holder's instruments, quietly."""
     install()

@@ -1,4 +1,4 @@
-"""What the DataLoader hooks (zerocode_hooks.py) know: which loaders are instrumented and
+"""What the DataLoader hooks (hooks.py) know: which loaders are instrumented and
 under which name, which hook is the outermost one running in this thread, and what is
 said at exit about loaders that gave no batch.
 
@@ -79,7 +79,7 @@ by_loader: IdentityTable[Instruments] = IdentityTable()  # loader -> its Instrum
 by_dataset: IdentityTable[Naming] = IdentityTable()  # dataset -> Naming
 # The plain loaders the user built over an adopted loader's dataset (not copies).
 user_built: IdentityTable[bool] = IdentityTable()
-# The torch loaders a holder (zerocode_holders.py) iterates -> the holder's Instruments.
+# The torch loaders a holder (holders.py) iterates -> the holder's Instruments.
 held_by: IdentityTable[Instruments] = IdentityTable()
 
 
