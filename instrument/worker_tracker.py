@@ -213,7 +213,8 @@ class WorkerTracker:
         unexpectedly"), lost whatever their exit code. force: read now, whatever the
         interval (the tuner's samples at an epoch's first batch and end)."""
         with self._lock:
-            self._next = 0.0 if force else self._next
+            if force:
+                self._next = 0.0
             self._refresh(now, on_error, exits, batches, named or {})
             for pid, signo in (named or {}).items():  # workers we could not see
                 if pid not in self._done:

@@ -35,18 +35,21 @@ NAMES = _tracked_names()
 
 def _resolves(source: Path, cited: str) -> bool:
     """A path: beside `source`, from a folder above it up to the repository (a package
-    names its modules from its own root), or from docs/. A bare name: anywhere."""
+    names its modules from its own root), from a package's root, or from docs/. A bare
+    name: anywhere."""
     if "/" not in cited:
         return cited in NAMES
     here = [parent / cited for parent in source.parents if REPO in (parent, *parent.parents)]
-    return any(c.exists() for c in [*here, REPO / "docs" / cited])
+    roots = [REPO / root / cited for root in ROOTS]
+    return any(c.exists() for c in [*here, *roots, REPO / "docs" / cited])
 
 
 def _sources() -> list[Path]:
     files = [p for folder in CODE for suffix in (".py", ".pyi", ".c", "Dockerfile")
              for p in (REPO / folder).rglob(f"*{suffix}")]
     files += [*(REPO / "docs").rglob("*.md"), REPO / "README.md", REPO / "Makefile",
-              REPO / "setup.py", REPO / "Dockerfile"]
+              REPO / "setup.py", REPO / "Dockerfile", REPO / "pyproject.toml",
+              REPO / ".ci" / "run"]
     return sorted(set(files))
 
 
