@@ -4,6 +4,8 @@ table of exporter/config.py)."""
 
 from __future__ import annotations
 
+import os
+
 DEFAULT_PORT = 9478  # the exporter's, in-process or sidecar (the image EXPOSEs it)
 
 ENV_PREFIX = "DATALOADER_EXPORTER_"
@@ -12,3 +14,8 @@ ENV_SETTINGS = ENV_PREFIX + "SETTINGS"  # loader settings applied at constructio
 ENV_AUTO = ENV_PREFIX + "AUTO"  # zero-code mode: instrument every DataLoader of a process
 ENV_SERIES = ENV_PREFIX + "SERIES"  # the trainer's series per loader and rank: full or job
 ENV_PURE_PYTHON = ENV_PREFIX + "PURE_PYTHON"  # the loader's per-batch path in Python, not C
+
+
+def pure_python_asked() -> bool:
+    """Whether ENV_PURE_PYTHON asks for the per-batch path in Python (set, and not 0)."""
+    return os.environ.get(ENV_PURE_PYTHON, "") not in ("", "0")

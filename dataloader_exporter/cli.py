@@ -12,7 +12,6 @@ import argparse
 import importlib
 import importlib.machinery
 import importlib.util
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 from dataloader_exporter import __version__
-from dataloader_exporter.core.envnames import ENV_PURE_PYTHON
+from dataloader_exporter.core.envnames import ENV_PURE_PYTHON, pure_python_asked
 
 PROG = "dataloader-exporter"
 
@@ -80,7 +79,7 @@ def hot_path_build() -> str:
     install, else the same code in Python (docs/design/hotpath.md)."""
     if importlib.util.find_spec("torch") is None:
         return "none (the trainer side needs the torch extra)"
-    if os.environ.get(ENV_PURE_PYTHON, "") not in ("", "0"):
+    if pure_python_asked():
         return f"Python ({ENV_PURE_PYTHON} is set)"
     spec = importlib.util.find_spec("dataloader_exporter.instrument")  # not run: no torch
     for folder in (spec.submodule_search_locations or []) if spec else []:

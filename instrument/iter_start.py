@@ -111,13 +111,15 @@ class _Plan:
 PLAIN_LOADERS: set[type] = {torch.utils.data.DataLoader}
 
 
-_MISSING = object()
-
 # What a loader's plan without workers is made of, beside what torch's DataLoader does not
 # let change after __init__ (dataset, sampler, batch_size, persistent_workers): its
 # attributes of these names, and its batch sampler's batch_size and sampler.
 SETTINGS = ("num_workers", "prefetch_factor", "pin_memory", "collate_fn", "in_order",
             "batch_sampler")
+# Read as getattr() does (one call for all), never through loader.__dict__: once asked
+# for, an instance's __dict__ slows every later attribute read of it in CPython 3.11
+# (torch's own iter() of the loader by about 6,000 instructions).
+_settings_of = operator.attrgetter(*SETTINGS)
 
 
 class _Kept:
@@ -140,22 +142,18 @@ class _Kept:
            labels: dict[str, str], shm: str) -> _Kept | None:
         """The loader's plan kept, or None where it lacks one of SETTINGS or its batch
         sampler is neither torch's BatchSampler nor None."""
-        values = tuple(getattr(loader, k, _MISSING) for k in SETTINGS)
+        try:
+            values = _settings_of(loader)
+        except AttributeError:
+            return None
         batches = values[-1]
-        if any(v is _MISSING for v in values) or (
-                batches is not None and type(batches) is not BatchSampler):
+        if batches is not None and type(batches) is not BatchSampler:
             return None
         return cls(values, count, sized, labels, shm)
 
 
-_settings_of = operator.attrgetter(*SETTINGS)
-
-
 def _same_settings(loader: Any, values: tuple[Any, ...]) -> bool:
-    """Whether the loader's SETTINGS still hold these values. Read as getattr() does (one
-    attrgetter call), never through loader.__dict__: once asked for, an instance's
-    __dict__ slows every later attribute read of it in CPython 3.11 (torch's own iter() of
-    the loader by about 6,000 instructions)."""
+    """Whether the loader's SETTINGS still hold these values (_settings_of)."""
     try:
         return bool(_settings_of(loader) == values)
     except AttributeError:

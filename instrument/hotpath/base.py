@@ -29,7 +29,6 @@ loop's append never interleave.
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 from itertools import repeat, starmap
 from time import perf_counter_ns
@@ -37,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dataloader_exporter.core.envnames import ENV_PURE_PYTHON
+from dataloader_exporter.core.envnames import ENV_PURE_PYTHON, pure_python_asked
 
 PURE_PYTHON_ENV = ENV_PURE_PYTHON
 DRAIN_SLICE = 8192  # values taken in one call from C (the Python Ring): ~0.3 ms
@@ -132,7 +131,7 @@ class PyTimed:
 
 
 NATIVE = False
-_FORCED = os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0")
+_FORCED = pure_python_asked()
 if TYPE_CHECKING:
     from ._hotpath import Counts, Ring, Timed
 else:

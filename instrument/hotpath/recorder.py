@@ -93,7 +93,7 @@ class LoaderRecorder(Counts):
         self.tuner_stable: bool | None = None
         self.tuner_settings = ""  # the settings it tunes, comma-separated
         # A tuned loader without workers: the loop thread's CPU time in its fetches
-        # (CpuTimedIterator), and how many fetches it covers.
+        # (tuner/iterator.CpuTunedIterator), and how many fetches it covers.
         self.fetch_cpu_ns = 0
         self.fetch_cpu_n = 0
         self.on_flush: Callable[[], None] | None = None

@@ -15,7 +15,7 @@ from the same counters at the next iter() (or, in a long epoch, while it runs):
 - the fetch waits' burstiness (95th percentile over the median, from the histogram);
 - per batch, for the model (core/tuner/model.py): the time a batch takes to make and its
   CPU share (with workers: their running and blocked time; without: the fetch's wall
-  time and the loop thread's CPU time in it, CpuTimedIterator), the loop's time (the
+  time and the loop thread's CPU time in it, CpuTunedIterator), the loop's time (the
   step) and the training process's CPU time outside the fetch.
 
 An epoch of fewer than MIN_BATCHES batches, or one in which another loader of the same
