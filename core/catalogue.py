@@ -208,17 +208,41 @@ WORKER_MAJOR_FAULTS = _m(
 MEMORY_KINDS: tuple[str, ...] = ("rss", "pss", "swap", "available")
 WORKER_MEMORY = _m(
     "dataloader_worker_memory_bytes", GAUGE,
-    "Memory of the loader's live workers, summed over workers: resident (kind=rss; pages "
-    "shared with the main process count in every worker), proportional (kind=pss; shared "
-    "pages divided among their sharers, read less often, where cheap) and swapped out "
-    "(kind=swap); and the least memory the trainer's container could still allocate while "
-    "they ran (kind=available: its memory cgroup's limit minus usage, else the host's "
-    "available memory), what more workers would have to fit in.",
+    "Memory of the loader's live workers, summed over workers: proportional (kind=pss; "
+    "shared pages divided among their sharers, read about once a second where cheap), "
+    "resident instead where PSS cannot be read (kind=rss; pages shared with the main "
+    "process count in every worker) and swapped out (kind=swap); and the least memory the "
+    "trainer's container could still allocate while they ran (kind=available: its memory "
+    "cgroup's limit minus usage, else the host's available memory), what more workers would "
+    "have to fit in.",
     "bytes", (*LOADER_LABELS, "kind"), TRAINER)
 WORKER_MAX_RSS = _m(
     "dataloader_worker_max_rss_bytes", GAUGE,
     "The largest resident memory any worker of the loader has had (a high-water mark).",
     "bytes", LOADER_LABELS, TRAINER)
+# Copy-on-read (instrument/cowscan.py): a worker that reads Python objects its parent holds
+# writes their reference counts and so copies their pages; its private memory grows.
+WORKER_PRIVATE_GROWTH = _m(
+    "dataloader_worker_private_growth_bytes_per_second", GAUGE,
+    "How fast the private memory (USS) of the loader's workers grows, summed over the live "
+    "workers read for long enough (each a robust slope over its readings of the last 5 "
+    "minutes, its start left out, a few MiB either way read as flat, so that the batches in "
+    "hand do not count); the latest measured, kept after the workers end; absent until one "
+    "was.",
+    "bytes", LOADER_LABELS, TRAINER)
+# The container is named by its labels, its item count a label too, as dataloader_info's
+# settings are: a fact that does not change, in one series (the series budget).
+DATASET_LABELS: tuple[str, ...] = (*LOADER_LABELS, "attribute", "container", "item", "objects")
+DATASET_OBJECTS = _m(
+    "dataloader_dataset_objects_bytes", GAUGE,
+    "Estimated size (from a sample of its items) of the largest container of Python objects "
+    "among the dataset's attributes, a list, tuple, dict, object array or pandas column of "
+    "over 100,000 items, looked at once before the loader's first workers start, through "
+    "Subset and ConcatDataset: every worker that reads its items writes their reference "
+    "counts and so copies their pages (copy-on-read), about this much each once it has read "
+    "them all. attribute: its path (dataset.paths); container and item: their types; "
+    "objects: its items. Absent where none was found.",
+    "bytes", DATASET_LABELS, TRAINER)
 # Why a worker failed, as observed: never a cause that was not seen (instrument/failure_causes.py).
 FAILURE_CAUSES: tuple[str, ...] = ("oom", "killed", "crash", "shm", "error")
 FAILURES = _m(
@@ -322,7 +346,7 @@ RETIRED: tuple[Metric, ...] = (_m(
     "process last finished a batch.", "seconds", WORKER_LABELS, TRAINER),)
 FORMER_BUCKETS: dict[str, tuple[tuple[float, ...], ...]] = {STEP.name: (STEP_BINS,)}
 FORMER_LABELS: dict[str, tuple[str, ...]] = {EXITED.name: LOADER_LABELS}
-ADDED: tuple[Metric, ...] = (LOOP_CPU,)
+ADDED: tuple[Metric, ...] = (LOOP_CPU, WORKER_PRIVATE_GROWTH, DATASET_OBJECTS)
 
 
 def series_names(metric: Metric) -> tuple[str, ...]:

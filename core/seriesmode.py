@@ -25,7 +25,7 @@ SERIES_MODES: tuple[str, ...] = (FULL, JOB)
 JOB_METRICS: frozenset[str] = frozenset(m.name for m in (
     cat.TIME, cat.STEP, cat.FIRST_BATCH, cat.BATCHES, cat.SAMPLES, cat.EPOCHS, cat.LAST_BATCH,
     cat.EXITED, cat.WORKERS_CONFIGURED, cat.WORKERS_ACTIVE, cat.WORKERS_LOST, cat.FAILURES,
-    cat.INFO))
+    cat.DATASET_OBJECTS, cat.INFO))
 # dataloader_time_seconds' phases it keeps: the fetch wait, not the transfer.
 JOB_PHASES: frozenset[str] = frozenset((cat.PHASE_FETCH,))
 

@@ -32,7 +32,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dataloader_exporter.core.bands import SHM_SAFETY, shm_size_advice
 from dataloader_exporter.core.facts.cgroup import OomKills
@@ -41,6 +41,9 @@ from dataloader_exporter.core.facts.shm import SHM_PATH, ShmSpace, shm_space
 from .preflight import LoaderConfig, shm_needed
 from .procstat import PROC, stat_fields
 from .rank import human_bytes
+
+if TYPE_CHECKING:
+    from .cowscan import Container
 
 OOM, KILLED, CRASH, SHM, ERROR = "oom", "killed", "crash", "shm", "error"
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGILL, signal.SIGFPE,
@@ -54,6 +57,8 @@ _SIGNAL_NAMES = {signal.strsignal(s): s for s in signal.Signals
 _SHM_WORDS = ("unable to allocate shared memory(shm) for file </torch_",
               "unable to write to file </torch_")
 _CAUGHT = "in DataLoader worker process"  # torch's wrapper of a worker's exception
+GREW = 16 << 20  # private memory grown by this much is worth saying (a batch is not)
+_PF_EXITING = 0x4  # a task's flag (/proc/<pid>/stat field 9) once it has begun to exit
 SHM_SMALL = 1 << 30  # a /dev/shm under 1 GiB (a container's) is small enough to fill
 
 
@@ -209,9 +214,23 @@ def oom_watch() -> OomWatch:
         return _watch
 
 
+def copy_on_read(c: Container) -> str:
+    """What a container of Python objects costs each worker, and what to hold it in."""
+    name = c.attribute.rsplit(".", 1)[-1].split("[", 1)[0] or "items"
+    array = (f"np.array([s.encode() for s in {name}]), decoded when read" if c.item == "str"
+             else f"np.array({name})")
+    return (f"copy-on-read: {c.attribute} is a {c.container} of {c.objects:,} {c.item} (about "
+            f"{human_bytes(c.bytes)}) whose items' reference counts each worker writes as it "
+            f"reads them, copying their pages into its own memory; store it as a numpy array "
+            f"({array}), a pyarrow array or a tensor")
+
+
 def fix(cause: str, seen: str, cfg: LoaderConfig, batch_bytes: int, local_ranks: int,
-        shm: ShmSpace | None, rss_per_worker: int | None) -> str:
-    """What was seen and what to change, in one line (after "dataloader 'x': ")."""
+        shm: ShmSpace | None, rss_per_worker: int | None,
+        grown: tuple[int, int] | None = None, held: tuple[Container, ...] = ()) -> str:
+    """What was seen and what to change, in one line (after "dataloader 'x': "). grown:
+    the failed worker's first and last private memory read; held: the dataset's largest
+    container of Python objects (cowscan.py)."""
     workers = cfg.num_workers or 0
     if cause == SHM:
         if batch_bytes > 0 and workers:
@@ -230,6 +249,14 @@ def fix(cause: str, seen: str, cfg: LoaderConfig, batch_bytes: int, local_ranks:
     if cause == OOM:
         each = (f"; each worker holds about {human_bytes(rss_per_worker)} resident"
                 if rss_per_worker else "")
+        grew = grown is not None and grown[1] - grown[0] >= GREW
+        if grown is not None and grew:
+            each += (f"; its private memory had grown from {human_bytes(grown[0])} to "
+                     f"{human_bytes(grown[1])}")
+        if grew and held:
+            return (f"a worker was killed by the kernel's OOM killer ({seen}){each}. "
+                    f"{copy_on_read(held[0])}; or use fewer workers (num_workers={workers} "
+                    "now), or raise the container's memory limit")
         return (f"a worker was killed by the kernel's OOM killer ({seen}){each}. Use fewer "
                 f"workers (num_workers={workers} now) or a lower prefetch_factor, or raise "
                 "the container's memory limit")
@@ -254,15 +281,27 @@ class Liveness:
         self._starts: dict[int, bytes] = {}
         self._psutil: dict[int, Any] | None = None if os.path.isdir(f"{proc}/self") else {}
 
-    def _state(self, pid: int) -> tuple[bytes, bytes] | None:
+    def _state(self, pid: int) -> tuple[bytes, bytes, bool] | None:
+        """(state, start time, dying) from /proc/<pid>/stat; dying: exiting (PF_EXITING in
+        its flags) or killed, SIGKILL pending (the kernel queues a fatal signal on each of
+        its threads: stat's "signal" field holds it)."""
         f = stat_fields(f"{self._proc}/{pid}")
-        return (f[0], f[19]) if f is not None and len(f) > 19 else None
+        if f is None or len(f) <= 19:
+            return None
+        try:
+            dying = bool(int(f[6]) & _PF_EXITING) or (
+                len(f) > 28 and bool(int(f[28]) & 1 << (signal.SIGKILL - 1)))
+        except ValueError:
+            dying = False
+        return f[0], f[19], dying
 
     def alive(self, pid: int) -> bool:
+        """Running, and not on its way out: a worker the OOM killer just picked is not
+        alive, so that the kill count read beside it is not taken as seen before it."""
         if self._psutil is not None:
             return self._alive_psutil(pid)
         now = self._state(pid)
-        if now is None or now[0] in (b"Z", b"X", b"x"):
+        if now is None or now[0] in (b"Z", b"X", b"x") or now[2]:
             return False
         return self._starts.setdefault(pid, now[1]) == now[1]
 

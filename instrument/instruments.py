@@ -73,6 +73,7 @@ class Instruments:
         self._inputs: tuple[Any, ...] = ()
         self._labels: tuple[LoaderConfig, str, dict[str, str]] | None = None
         self.epochs = 0
+        self.scanned = False  # the dataset looked at for copy-on-read (before_pool)
         self._last_it: weakref.ref[Any] | None = None  # the iterator whose workers we track
         self._last_gen = 0
         self._failures = LogOnce(log)  # one line per failure cause
@@ -105,8 +106,10 @@ class Instruments:
         live = rec.workers.active or 0
         rss = fig.rss_bytes // live if fig is not None and fig.rss_bytes and live else None
         who = f" (worker pid {pid})" if pid else ""
+        grown = rec.workers.grown(pid) if pid else None
         text = failure_causes.fix(cause, seen, self.config, max(rec.batch_bytes, 0),
-                            local_world_size(), shm_space(SHM_PATH), rss)
+                                  local_world_size(), shm_space(SHM_PATH), rss,
+                                  grown, rec.dataset_objects[:1])
         self._failures.problem(cause, "dataloader %r%s: %s", log_name(self.name), who, text)
 
     def at_iter(self, loader: Any) -> int | None:
@@ -233,14 +236,24 @@ class Instruments:
         last = self._last_it() if self._last_it is not None else None
         return last is not None and last is it
 
-    def before_pool(self) -> None:
+    def before_pool(self, loader: Any) -> None:
         """Before torch's iter() starts new workers: the last epoch's pool, unless
         persistent, ended on purpose, and the tracker prepared (WorkerTracker.prepare).
         numpy.random is imported here once: each torch worker seeds it, and a forked
         worker whose trainer never imported it imports it itself (a few ms of each
-        worker's start, in every epoch of a pool that is not persistent)."""
+        worker's start, in every epoch of a pool that is not persistent). Before the
+        loader's first pool, its dataset's containers of Python objects, which the
+        workers will copy as they read them (cowscan.py)."""
         if "numpy.random" not in sys.modules:
             import numpy.random  # noqa: F401
+        if not self.scanned:
+            self.scanned = True
+            try:
+                from .cowscan import scan
+
+                self.rec.dataset_objects = scan(loader.dataset)
+            except Exception:  # looking must never stop training
+                log.debug("the dataset scan failed", exc_info=True)
         workers = self.rec.workers
         if self._last_gen and not self.config.persistent_workers:
             workers.stop(self._last_gen)

@@ -99,7 +99,7 @@ class _Plan:
                 self.collate = TimedCollate(loader.collate_fn, None, True, True,
                                             instruments.rec.miscount)
         elif not self.reused:  # new workers: their one hook (hotpath/workerblock.py)
-            instruments.before_pool()
+            instruments.before_pool(loader)
             self.block = new_block(workers)
             self.collate = TimedCollate(loader.collate_fn, self.block,
                                         loader.batch_sampler is not None, verify)

@@ -159,25 +159,31 @@ def _observations(r: LoaderRecorder) -> tuple[int, ...]:
 
 
 def _proc_families(recs: list[LoaderRecorder], job: bool) -> Iterator[Family]:
-    """Where the workers' time and memory go (/proc, procstat.py; none with job), and
-    failures by cause."""
+    """Where the workers' time and memory go (/proc, procstat.py; none with job), the
+    dataset's containers of Python objects (cowscan.py; kept with job), and failures by
+    cause."""
     time_f, read_f, faults_f = (family(m) for m in (cat.WORKER_TIME, cat.WORKER_READ,
                                                      cat.WORKER_MAJOR_FAULTS))
     memory_f, max_f, fail_f = (family(m) for m in (cat.WORKER_MEMORY, cat.WORKER_MAX_RSS,
                                                     cat.FAILURES))
+    growth_f, objects_f = family(cat.WORKER_PRIVATE_GROWTH), family(cat.DATASET_OBJECTS)
     for r in recs:
         lr = [r.name, r.rank]
         for cause, n in r.workers.failures.items():
             if n:  # a cause seen; the alerts take a series first seen at 1 as a failure
                 fail_f.add_metric([*lr, cause], n)
+        for c in r.dataset_objects[:1]:  # the largest
+            objects_f.add_metric([*lr, c.attribute, c.container, c.item, str(c.objects)],
+                                 c.bytes)
         fig = None if job else r.workers.proc_figures()
         if fig is None:
             continue  # no worker read (yet): unknown, not 0
         split: list[tuple[Any, tuple[str, ...], tuple[int | None, ...], float]] = [
             (time_f, cat.WORKER_STATES, (fig.running_ns, fig.waiting_ns, fig.blocked_ns), 1e9),
             (read_f, cat.READ_SOURCES, (fig.read_storage, fig.read_syscalls), 1.0),
-            (memory_f, cat.MEMORY_KINDS, (fig.rss_bytes, fig.pss_bytes, fig.swap_bytes,
-                                          fig.available_bytes), 1.0)]
+            (memory_f, cat.MEMORY_KINDS, (  # RSS only where PSS is not read
+                fig.rss_bytes if fig.pss_bytes is None else None, fig.pss_bytes,
+                fig.swap_bytes, fig.available_bytes), 1.0)]
         for fam, names, values, scale in split:
             for label, v in zip(names, values, strict=True):
                 if v is not None:
@@ -186,7 +192,9 @@ def _proc_families(recs: list[LoaderRecorder], job: bool) -> Iterator[Family]:
             faults_f.add_metric(lr, fig.major_faults)
         if fig.max_rss_bytes is not None:
             max_f.add_metric(lr, fig.max_rss_bytes)
-    yield from (time_f, read_f, faults_f, memory_f, max_f, fail_f)
+        if fig.private_growth is not None:
+            growth_f.add_metric(lr, fig.private_growth)
+    yield from (time_f, read_f, faults_f, memory_f, max_f, growth_f, objects_f, fail_f)
 
 
 def _histogram(f: Any, labels: list[str], buckets: list[tuple[str, float]], total: float,

@@ -2,9 +2,10 @@
 
 Read by the main process about once a second per live worker (worker_tracker.py), never by the
 workers and never on the per-batch path. One sample is a handful of small reads (about
-60 µs a worker here); PSS (/proc/<pid>/smaps_rollup) walks the worker's page tables,
-about 4 ms for a 200 MB worker and more for bigger ones, so it is read only when cheap:
-each read pushes the next one back so that it takes at most PSS_BUDGET of one core.
+60 µs a worker here); PSS and USS (/proc/<pid>/smaps_rollup) walk the worker's page
+tables, about 4 ms for a 200 MB worker and more for bigger ones, so they are read only when
+cheap: each read pushes the next one back so that it takes at most PSS_BUDGET of one core.
+How fast USS grows (copy-on-read): memgrowth.py.
 
 Time, all cumulative since the process started:
 - running: on a CPU, user and system (utime + stime of every thread, /proc/<pid>/stat);
@@ -27,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dataloader_exporter.core.facts.cores import machine_ticks, stolen_ns, stolen_per_run
+
+from .memgrowth import PrivateGrowth
 
 PROC = "/proc"
 ROOM_EVERY = 0.9  # seconds between two readings of the memory room
@@ -188,24 +191,30 @@ class StealRate:
 
 
 class PssReader:
-    """PSS of processes, read only when cheap (PSS_BUDGET of one core, see above)."""
+    """PSS and USS (private: clean and dirty) of processes, read only when cheap
+    (PSS_BUDGET of one core, see above)."""
 
     def __init__(self, proc: str = PROC, budget: float = PSS_BUDGET) -> None:
         self.proc = proc
         self.budget = budget
         self._next = 0.0
-        self.last: dict[int, int] = {}  # pid -> PSS bytes at the last read
+        self.last: dict[int, tuple[int, int | None]] = {}  # pid -> (PSS, USS) at the last read
+        self.fresh = False  # whether the last read() read the files (else its figures)
 
-    def read(self, pids: list[int], now: float) -> dict[int, int]:
-        """PSS by pid: read now if due, else the last figures (of pids still asked for)."""
-        if now >= self._next:
+    def read(self, pids: list[int], now: float) -> dict[int, tuple[int, int | None]]:
+        """(PSS, USS) by pid: read now if due, else the last figures (of pids still
+        asked for)."""
+        self.fresh = now >= self._next
+        if self.fresh:
             t0 = time.thread_time()
-            fresh = {}
+            got = {}
             for pid in pids:
-                pss = _field(_read(f"{self.proc}/{pid}/smaps_rollup") or b"", b"Pss")
+                text = _read(f"{self.proc}/{pid}/smaps_rollup") or b""
+                pss = _field(text, b"Pss")
                 if pss is not None:
-                    fresh[pid] = pss
-            self.last = fresh
+                    clean, dirty = _field(text, b"Private_Clean"), _field(text, b"Private_Dirty")
+                    got[pid] = (pss, None if clean is None or dirty is None else clean + dirty)
+            self.last = got
             self._next = now + (time.thread_time() - t0) / self.budget
         return {pid: v for pid, v in self.last.items() if pid in pids}
 
@@ -225,6 +234,8 @@ class Figures:
     rss_bytes: int | None  # None: no worker read from /proc (figures from their own)
     max_rss_bytes: int | None
     pss_bytes: int | None
+    private_bytes: int | None  # USS, summed over the live workers
+    private_growth: float | None  # bytes per second, the latest measured (memgrowth.py)
     swap_bytes: int | None
     available_bytes: int | None  # the least memory room seen while batches flowed
     stolen_ns: int | None = None  # of waiting_ns, a virtual machine's steal (estimated)
@@ -253,7 +264,8 @@ class ProcAccount:
         self._room: int | None = None
         self._room_next = 0.0
         self._pss = PssReader(proc)
-        self._pss_now: dict[int, int] = {}
+        self._pss_now: dict[int, tuple[int, int | None]] = {}
+        self.growth = PrivateGrowth()
         self._steal_rate = StealRate(f"{proc}/stat")
         self._stolen = 0  # of the waiting sum, the steal estimated
 
@@ -286,6 +298,9 @@ class ProcAccount:
             self.live[pid] = got
             self._peak_rss = max(self._peak_rss, got.rss_bytes)
         self._pss_now = self._pss.read(sorted(self.live), now)
+        if self._pss.fresh:
+            self.growth.add({pid: uss for pid, (_, uss) in self._pss_now.items()
+                             if uss is not None}, now)
 
     def _steal(self, running: int, blocked: int | None, stolen: float) -> None:
         """Moves the steal estimated for `running` ns from the blocked sum to waiting."""
@@ -300,6 +315,7 @@ class ProcAccount:
         """A worker ended."""
         self.live.pop(pid, None)
         self._counted.discard(pid)
+        self.growth.end(pid)
 
     def unsampled(self, own: list[tuple[int, int, int, int]]) -> None:
         """An ended pool's workers that no interval counted: their time from their first
@@ -325,7 +341,8 @@ class ProcAccount:
             return None
         live = list(self.live.values())
         swaps = [s.swap_bytes for s in live]
-        pss = [self._pss_now.get(pid) for pid in self.live]
+        memory = [self._pss_now.get(pid, (None, None)) for pid in self.live]
+        pss, uss = [m[0] for m in memory], [m[1] for m in memory]
         sums = dict(self._sums) if self._intervals or self._own else dict.fromkeys(_SUMMED)
         if not self._intervals:  # the workers' own figures hold no reads or faults
             sums.update(dict.fromkeys(_SUMMED[3:]))
@@ -339,4 +356,6 @@ class ProcAccount:
             rss_bytes=sum(s.rss_bytes for s in live) if seen else None,
             max_rss_bytes=self._peak_rss if seen else None,
             pss_bytes=None if None in pss else sum(p for p in pss if p is not None),
+            private_bytes=None if None in uss else sum(u for u in uss if u is not None),
+            private_growth=self.growth.rate,
             swap_bytes=None if None in swaps else sum(s for s in swaps if s is not None))

@@ -322,6 +322,11 @@ class WorkerTracker:
         with self._lock:
             return self.proc.figures()
 
+    def grown(self, pid: int) -> tuple[int, int] | None:
+        """A worker that ended lately: its first and last private memory read, if read."""
+        with self._lock:
+            return self.proc.growth.ended.get(pid)
+
     def _alive(self, pid: int) -> bool:
         return self._liveness.alive(pid)
 

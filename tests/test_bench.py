@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 @pytest.mark.parametrize("script", ["overhead.py", "scrape.py", "proc_sampling.py", "tuner.py",
                                     "background.py", "hot_floor.py", "short_lived.py",
-                                    "epoch_instructions.py"])
+                                    "epoch_instructions.py", "cowscan.py"])
 def test_each_benchmark_starts_and_explains_itself(script: str) -> None:
     result = subprocess.run([sys.executable, str(REPO / "bench" / script), "--help"],
                             capture_output=True, text=True, timeout=60, cwd=REPO)

@@ -307,11 +307,11 @@ DROP_IN_MAY_LOAD = {f"{NS}.{m}" if m else NS for m in (
     "instrument.hotpath._hotpath", "instrument.hotpath.base", "instrument.hotpath.batch",
     "instrument.hotpath.iterator", "instrument.hotpath.layout", "instrument.hotpath.recorder",
     "instrument.hotpath.transfer", "instrument.hotpath.workerblock", "instrument.hub",
-    "instrument.instruments", "instrument.iter_start", "instrument.loader", "instrument.naming",
-    "instrument.preflight", "instrument.procstat", "instrument.rank", "instrument.rank_gpu",
-    "instrument.serve", "instrument.torch_originals", "instrument.worker_tracker",
-    "instrument.zerocode", "instrument.zerocode.holders", "instrument.zerocode.hooks",
-    "instrument.zerocode.registry")}
+    "instrument.instruments", "instrument.iter_start", "instrument.loader",
+    "instrument.memgrowth", "instrument.naming", "instrument.preflight", "instrument.procstat",
+    "instrument.rank", "instrument.rank_gpu", "instrument.serve", "instrument.torch_originals",
+    "instrument.worker_tracker", "instrument.zerocode", "instrument.zerocode.holders",
+    "instrument.zerocode.hooks", "instrument.zerocode.registry")}
 LOADED_ON_FIRST_USE = ("prometheus_client", "http", "wsgiref", "socketserver", "asyncio",
                        f"{NS}.exporter", f"{NS}.diagnosis", f"{NS}.dashboards",
                        f"{NS}.instrument.tuner", f"{NS}.instrument.snapshot_writer",

@@ -154,6 +154,25 @@ def test_blocked_workers_are_bounded_by_the_open_file_limit_and_memory() -> None
     assert decision is not None and decision.setting.workers == 5  # 5 workers' memory
 
 
+def test_the_copies_workers_will_make_count_against_memory_before_they_are_paid() -> None:
+    """Copy-on-read: each worker of 2 has 1/8 GiB now and will still copy 1/2 GiB of the
+    dataset's containers (Epoch.worker_to_come); with 3 GiB left the tuner adds only the
+    workers whose own and whose present workers' copies fit, and says why."""
+    s = Setting(2, 2)
+    now = STORAGE.window(s, random.Random(0))
+    copying = replace(now, worker_bytes=GiB // 8 + GiB // 2, worker_to_come=GiB // 2,
+                      copied="dataset.paths")
+    room = Budget(1, 3 * GiB, 16 * GiB, 2.0)
+    free = Tuner(Setting(2, 2)).observe(replace(now, worker_bytes=GiB // 8), room)
+    assert free is not None and free.setting.workers > 4  # the copies unseen: many more
+    tuner = Tuner(Setting(2, 2))
+    decision = tuner.observe(copying, room)
+    # 2 x 1/2 GiB still to come for the 2 there, 5/8 GiB for each added: 3 fit in 3 GiB.
+    assert decision is not None and decision.setting.workers == 2 + 3
+    assert "copied dataset.paths (copy-on-read)" in tuner.memory_note
+    assert "num_workers held at 5" in tuner.memory_note
+
+
 def test_a_trial_within_the_noise_is_measured_again_before_it_is_judged() -> None:
     judge = Judge()
     assert judge.verdict(103, 100, more=True) == ("again", 103)  # under the 5% bar

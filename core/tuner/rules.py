@@ -75,6 +75,9 @@ class Tuner:
     _backoff: int = 1  # multiplies the windows of a drift or doubt (doubled by a vain retune)
     _left: Setting | None = None  # the setting a retune left, until it settles
     retuned: str = ""  # why it last tuned again once settled: "drift" or "doubt"
+    # Why it added fewer workers than it wanted: the copies they will make of the dataset
+    # (Epoch.worker_to_come) would not fit in memory; "" until then.
+    memory_note: str = ""
 
     def __post_init__(self) -> None:
         self.current = self.start
@@ -199,7 +202,8 @@ class Tuner:
         if more > 0:
             if epoch.worker_bytes is None or self.budget.memory_room is None:
                 return "memory unknown"
-            if more * epoch.worker_bytes > self.budget.memory_room:
+            if (more * epoch.worker_bytes + now.workers * epoch.worker_to_come
+                    > self.budget.memory_room):
                 return "memory"
         in_flight_now = now.workers * now.prefetch
         in_flight = workers * prefetch
@@ -243,8 +247,19 @@ class Tuner:
             free = self.budget.cores - n
             ran = "" if epoch.running is None else f"workers ran {epoch.running:.0%} of the time, "
             why = f"{ran}loop waited {epoch.stall:.0%}, {free} of {self.budget.cores} cores free"
-        while want > n and self._room_for(epoch, want, epoch.setting.prefetch) is not None:
+        asked, held = want, set()
+        while want > n:
+            why_not = self._room_for(epoch, want, epoch.setting.prefetch)
+            if why_not is None:
+                break
+            held.add(why_not)
             want -= 1
+        if "memory" in held and epoch.worker_to_come and epoch.worker_bytes is not None:
+            self.memory_note = (
+                f"num_workers held at {max(n, want)}, not {asked}: each worker will hold about "
+                f"{epoch.worker_bytes >> 20} MiB once it has copied {epoch.copied} "
+                f"(copy-on-read), and the {(self.budget.memory_room or 0) >> 20} MiB of memory "
+                "left hold no more of them")
         if want <= n:
             return None
         return Decision(replace(epoch.setting, workers=want), "num_workers", n, want,

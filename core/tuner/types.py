@@ -40,12 +40,18 @@ class Epoch:
     waiting_cpu: float | None = None
     blocked: float | None = None
     # Memory one worker takes (PSS, else RSS); with no workers yet, the main process's
-    # resident memory, which bounds what a forked worker can take.
+    # resident memory, which bounds what a forked worker can take. Projected: it includes
+    # worker_to_come.
     worker_bytes: int | None = None
     batch_bytes: int | None = None
     burstiness: float | None = None  # fetch wait p95 / median
     unit: str = "samples"  # what samples_per_s counts: "batches" where samples cannot be
     load: Load | None = None  # per-batch figures for the model (core/tuner/model.py)
+    # Memory each worker will still take: the part of the dataset's containers of Python
+    # objects it has not copied yet (copy-on-read), counted before it is paid; and what
+    # holds them (dataset.paths), for the log.
+    worker_to_come: int = 0
+    copied: str = ""
 
 
 @dataclass(frozen=True)

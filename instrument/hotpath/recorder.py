@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from dataloader_exporter.core import catalogue as cat
 
 from ..worker_tracker import WorkerTracker
 from .base import Counts, Ring, drain
+
+if TYPE_CHECKING:
+    from ..cowscan import Container
 
 # Durations kept per queue between two reads (snapshot writes or scrapes, normally every
 # second): 131072 batches of a few microseconds each, about 1 MB per queue at most.
@@ -85,6 +88,9 @@ class LoaderRecorder(Counts):
         self.pending_events: deque[tuple[Any, Any]] = deque()
         self.config: dict[str, str] = {}
         self.gpu_uuid = ""  # the GPU batches go to (dataloader_info), "" until known
+        # The dataset's large containers of Python objects, as its loader's first pool
+        # found them (cowscan.py): each worker copies them as it reads them.
+        self.dataset_objects: tuple[Container, ...] = ()
         self.exited_at: float | None = None  # Unix time of a normal exit (Hub.exiting)
         self.workers = WorkerTracker()
         # The loader tuner (tuner/loop.py): changes by (setting, reason); whether it is stable

@@ -11,7 +11,9 @@ from the same counters at the next iter() (or, in a long epoch, while it runs):
   figures count it as waiting, but it is a tax on each ns run, not a queue for the cores
   that fewer workers would shorten, and a worker holds its virtual CPU through it;
 - the memory one worker takes (PSS, else its largest RSS; with no worker yet, the main
-  process's RSS, which a forked worker can at most take), and a batch's bytes;
+  process's RSS, which a forked worker can at most take), projected: with the part of
+  the dataset's containers of Python objects a worker has not copied yet (copy-on-read,
+  instrument/cowscan.py), counted before it is paid; and a batch's bytes;
 - the fetch waits' burstiness (95th percentile over the median, from the histogram);
 - per batch, for the model (core/tuner/model.py): the time a batch takes to make and its
   CPU share (with workers: their running and blocked time; without: the fetch's wall
@@ -28,7 +30,7 @@ import logging
 import os
 from dataclasses import dataclass
 from time import perf_counter_ns, process_time_ns
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +42,9 @@ from dataloader_exporter.core.tuner.types import Epoch, Setting
 from ..envsettings import once
 from ..hotpath.recorder import LoaderRecorder
 from ..procstat import Figures
+
+if TYPE_CHECKING:
+    from ..cowscan import Container
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
@@ -133,12 +138,16 @@ def epoch_since(rec: LoaderRecorder, mark: Mark, name: str, flush: bool = True,
     # From the mark, not from iter(): what ran in iter() before the mark is in neither.
     first = rec.first_at_ns if mark.t_ns < rec.first_at_ns <= end else mark.t_ns
     steady = max(1e-9, (end - first) / 1e9)
+    active = rec.workers.active or 0
+    to_come = _to_come(fig, active, rec.dataset_objects)
+    each = _worker_bytes(fig, active)
     epoch = Epoch(mark.setting, done / wall, max(0.0, min(1.0, 1 - step_s / steady)),
                   shares[0], shares[1], shares[2],
-                  _worker_bytes(fig, rec.workers.active or 0),
+                  None if each is None else each + to_come,
                   rec.batch_bytes if rec.batch_bytes >= 0 else None,
                   burstiness(counts, bounds), "samples" if known else "batches",
-                  _load(rec, mark, batches, wall, step_s, spent))
+                  _load(rec, mark, batches, wall, step_s, spent), to_come,
+                  " and ".join(c.attribute for c in rec.dataset_objects))
     log.debug("dataloader %r: %d batches in %.2f s, to be judged: %s", log_name(name),
               batches, wall, epoch)
     return epoch
@@ -239,6 +248,16 @@ def _worker_bytes(fig: Figures | None, active: int) -> int | None:
     if fig is not None and fig.max_rss_bytes:
         return fig.max_rss_bytes
     return _own_rss()
+
+
+def _to_come(fig: Figures | None, active: int, held: tuple[Container, ...]) -> int:
+    """Memory each live worker will still take copying the dataset's containers of Python
+    objects as it reads them (cowscan.py): their size less its private memory now (what
+    it has copied, and its own). 0 where the memory one worker takes is not its PSS: an
+    RSS, the main process's above all, counts the containers already."""
+    if fig is None or not active or not fig.pss_bytes or fig.private_bytes is None:
+        return 0
+    return max(0, sum(c.bytes for c in held) - fig.private_bytes // active)
 
 
 def _own_rss() -> int | None:

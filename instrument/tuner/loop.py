@@ -250,6 +250,9 @@ class LoaderTuning:
         return True
 
     def _say_stable(self) -> None:
+        if self.tuner.memory_note:
+            once.problem(f"tune-copies:{self.name}", "dataloader %r: %s", log_name(self.name),
+                         self.tuner.memory_note)
         if not self.tuner.stable or self._said_stable:
             return
         self._said_stable = True
