@@ -9,7 +9,8 @@ the job's stall is the slowest input's; an input straggler gets the advice, and 
 ranks that only wait for it get none about their own loader. Why the input is slow, and
 the number of workers that follows, comes from where the workers' time goes
 (diagnosis.why); why workers failed, from the causes the trainer observed
-(diagnosis.failure_advice). A loader the loader tuner still tunes gets no advice on
+(diagnosis.failure_advice); why their memory grows, from the dataset's largest
+container (diagnosis.memgrowth). A loader the loader tuner still tunes gets no advice on
 num_workers or prefetch_factor: the tuner sets them (diagnosis.tuner_report).
 """
 
@@ -19,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 from dataloader_exporter.core import advisor, bands
-from dataloader_exporter.diagnosis import failure_advice, tuner_report, why
+from dataloader_exporter.diagnosis import failure_advice, memgrowth, tuner_report, why
 from dataloader_exporter.diagnosis.job_signals import Job, RankTimes, points, rank_times
 from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.signals import LoaderSignals
@@ -32,6 +33,9 @@ STORAGE_WORKERS = advisor.STORAGE_WORKERS
 # Memory or /dev/shm ran out (no more workers), or would (a shallower queue too).
 RAN_OUT = ("failure-oom", "failure-shm")
 MEMORY_FINDINGS = ("shm-risk", "host-memory-risk", *RAN_OUT)
+# No more workers either while the workers' memory grows: each added one would grow too
+# (copy the dataset's objects). Its queue stays: batches in flight are not what grows.
+NO_MORE_WORKERS = (*RAN_OUT, memgrowth.KIND)
 STARVED = ("input-bound", "moderately input-bound")  # the loop waits for input
 VERDICTS = {"input-bound": "INPUT-BOUND", "moderately input-bound": "MODERATELY INPUT-BOUND",
             "not input-bound": "NOT INPUT-BOUND", "idle": "IDLE"}
@@ -40,7 +44,8 @@ VERDICTS = {"input-bound": "INPUT-BOUND", "moderately input-bound": "MODERATELY 
 @dataclass
 class Finding:
     # epoch-start-stall, ended-abruptly, lost-workers, failure-<cause>, shm-risk,
-    # host-memory-risk, swap, workers-swap, input-straggler, waits-for-straggler
+    # host-memory-risk, swap, workers-swap, memory-growth, input-straggler,
+    # waits-for-straggler
     kind: str
     message: str
 
@@ -109,6 +114,8 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1,
         "batch_bytes": s.batch_bytes, "gpu_utilization": s.gpu_utilization,
         "window_seconds": s.seconds, "batches": s.batches, "samples": s.samples,
         "local_ranks": float(local_ranks),
+        "worker_private_growth_bytes_per_second": s.workers.private_growth,
+        "workers_memory_left_seconds": memgrowth.seconds_left(s, _room_left(s, machine)),
         "fetch_per_batch_seconds": times.fetch if times else None,
         "step_per_batch_seconds": times.step if times else None,
         "waiting_for_other_ranks_seconds_per_batch": waiting})
@@ -171,6 +178,11 @@ def _shm_total(s: LoaderSignals, machine: Machine) -> float | None:
     return float(trainer) if trainer else machine.shm_size
 
 
+def _room_left(s: LoaderSignals, machine: Machine) -> tuple[float, str] | None:
+    """The memory left before the OOM killer (no reserve kept), and where it was read."""
+    return why.memory_room(s, machine, reserve=0.0)
+
+
 def _abrupt(s: LoaderSignals) -> str:
     """An ended run whose last snapshot has no normal exit: what that means."""
     workers = (f"; {s.workers_active:g} workers were alive at its last snapshot"
@@ -205,6 +217,8 @@ def _findings(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
                    for f in d.failures]
     if d.workers.bottleneck == why.MEMORY and d.workers.swapping:
         d.findings.append(Finding("workers-swap", d.workers.why))
+    if memgrowth.seen(s):
+        d.findings.append(Finding(memgrowth.KIND, memgrowth.message(s, _room_left(s, machine))))
     if s.batch_bytes and in_flight is not None:
         if shm_total is not None and in_flight > shm_total:
             d.findings.append(Finding("shm-risk", (
@@ -295,8 +309,8 @@ def _workers_and_queue(d: Diagnosis, s: LoaderSignals, workers: int, prefetch: i
     rec = d.recommendations
     advice = why.advise(d.workers, s, workers, starved, machine, local_ranks, cuda)
     rec_workers = advice.workers
-    if rec_workers > workers and any(f.kind in RAN_OUT for f in d.findings):
-        rec_workers = workers  # memory or /dev/shm already ran out at this count
+    if rec_workers > workers and any(f.kind in NO_MORE_WORKERS for f in d.findings):
+        rec_workers = workers  # memory or /dev/shm ran out at this count, or memory grows
     if advice.unknown:
         d.unknowns.append(advice.unknown)
     if rec_workers != workers:

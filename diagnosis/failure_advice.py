@@ -1,13 +1,16 @@
 """Why workers failed, as the trainer observed it (catalogue.FAILURE_CAUSES: a cause is
 counted only when it was seen), with the fix for each; and what is known of the cause of
-a lost worker (dataloader_workers_lost_total counts deaths, not causes)."""
+a lost worker (dataloader_workers_lost_total counts deaths, not causes). An OOM kill names
+the workers' private memory growth and the dataset's container that held it, where known
+(NOTE [ copy-on-read ] in diagnosis.memgrowth)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.diagnosis import memgrowth
 from dataloader_exporter.diagnosis.signals import LoaderSignals
 from dataloader_exporter.diagnosis.units import GiB, gib
 from dataloader_exporter.diagnosis.why import WorkerView, memory_kind
@@ -78,13 +81,17 @@ def _oom(s: LoaderSignals, v: WorkerView, shm: Shm, workers: int | None,
     largest = f", the largest {gib(v.max_rss_bytes)} resident" if v.max_rss_bytes else ""
     now = f" (num_workers={workers} now)" if workers is not None else ""
     limit = f" ({gib(s.cgroup_limit)} now)" if s.cgroup_limit else ""
+    grew, first = memgrowth.oom_words(s)
+    share = ("" if s.dataset_containers else "; datasets that share memory across workers "
+             "(numpy arrays or tensors, not lists of Python objects)")
     return {"worker_memory_bytes": v.rss_bytes, "memory_kind": v.memory_kind,
             "max_worker_rss_bytes": v.max_rss_bytes, "memory_limit_bytes": s.cgroup_limit,
+            "worker_private_growth_bytes_per_second": s.workers.private_growth,
+            "dataset_containers": [asdict(c) for c in s.dataset_containers],
             "seen": (f"oom: {_times(n, 'worker')} killed by the kernel's OOM killer (its "
-                     f"OOM-kill count rose){each}{largest}"),
-            "fix": (f"fewer workers{now} or a lower prefetch_factor, or a higher memory "
-                    f"limit{limit}; datasets that share memory across workers (numpy arrays "
-                    "or tensors, not lists of Python objects)")}
+                     f"OOM-kill count rose){each}{largest}{grew}"),
+            "fix": (f"{first}fewer workers{now} or a lower prefetch_factor, or a higher memory "
+                    f"limit{limit}{share}")}
 
 
 def _killed(s: LoaderSignals, v: WorkerView, shm: Shm, workers: int | None,

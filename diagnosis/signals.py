@@ -20,7 +20,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.diagnosis.tuner_report import TunerSignals, read_tuner
-from dataloader_exporter.diagnosis.workersignals import WorkerSignals, read_failures, read_workers
+from dataloader_exporter.diagnosis.workersignals import (
+    DatasetContainer,
+    WorkerSignals,
+    read_containers,
+    read_failures,
+    read_workers,
+)
 
 Labels = tuple[tuple[str, str], ...]
 Series = dict[tuple[str, Labels], float]
@@ -173,6 +179,9 @@ class LoaderSignals:
     cgroup_limit: float | None = None  # the exporter's container's memory limit and usage
     cgroup_usage: float | None = None
     workers: WorkerSignals = field(default_factory=WorkerSignals)
+    # the dataset's largest container of Python objects (more than one only where its
+    # series changed within a Prometheus range), the largest first; none found: empty
+    dataset_containers: tuple[DatasetContainer, ...] = ()
     failures: dict[str, float] | None = None  # cause -> total; None: causes not exported
     tuner: TunerSignals | None = None  # None: the loader is not tuned (diagnosis.tuner_report)
     # The run has ended (its files are no longer written: read whole), and when its
@@ -287,6 +296,7 @@ def _signals(w: Window, loader: str, rank: str) -> LoaderSignals:
     s.cgroup_limit = _get(last, cat.CGROUP_MEMORY_LIMIT.name)
     s.cgroup_usage = _get(last, cat.CGROUP_MEMORY_USAGE.name)
     s.workers = read_workers(w.increase, w.latest, w.change, lr)
+    s.dataset_containers = read_containers(last, lr)
     s.failures = read_failures(last, lr)
     s.tuner = read_tuner(last, lr)
     s.ended = w.is_whole_run

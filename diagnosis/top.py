@@ -1,8 +1,10 @@
 """`dataloader-exporter top`: a live terminal view of the overview dashboard's signals.
 
 Computed from successive scrapes of an exporter's /metrics; needs no Prometheus or
-Grafana. Quits on q and on Ctrl-C, also where it was started with SIGINT ignored (a
-background job of a script without job control inherits that), as a terminal view should.
+Grafana. A loader whose workers' private memory grows (diagnosis.memgrowth) gets a line
+under its row with the growth per worker and the dataset attribute that holds it. Quits
+on q and on Ctrl-C, also where it was started with SIGINT ignored (a background job of a
+script without job control inherits that), as a terminal view should.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from dataloader_exporter.diagnosis import memgrowth
 from dataloader_exporter.diagnosis.signals import LoaderSignals, Scrape, Window, loaders
 
 HEADER = (f"{'LOADER':<16} {'RANK':>4} {'STALL':>6} {'FETCH P95':>10} {'BATCH/S':>8} "
@@ -52,7 +55,9 @@ def render(signals: Sequence[LoaderSignals], source: str, status: str = "") -> l
              status or "", HEADER]
     if not signals:
         lines.append("(no DataLoader metrics yet)")
-    lines += [row(s) for s in signals]
+    for s in signals:
+        growth = memgrowth.top_line(s)
+        lines += [row(s), *([growth] if growth else [])]
     return lines
 
 

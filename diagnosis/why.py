@@ -18,7 +18,9 @@ on a full queue, and the bottleneck is "none". While it waits:
 Absent figures (no workers, or not Linux) give "unknown", and nothing is drawn from them.
 Every advice to add workers is capped by memory at the measured per-worker memory (PSS
 where the trainer reads it, else RSS, which counts copy-on-write pages in every worker
-and so errs high).
+and so errs high); while the workers' private memory is seen to grow, each worker's is
+projected to include what it has yet to copy of the dataset's largest container (NOTE
+[ copy-on-read ] in diagnosis.memgrowth).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from dataclasses import dataclass
 
 from dataloader_exporter.core import advisor, bands
 from dataloader_exporter.core.tuner.model import Load, choose
+from dataloader_exporter.diagnosis import memgrowth
 from dataloader_exporter.diagnosis.machine import Machine
 from dataloader_exporter.diagnosis.signals import LoaderSignals
 from dataloader_exporter.diagnosis.units import gib, pct
+from dataloader_exporter.diagnosis.workersignals import DatasetContainer
 
 MiB = float(1 << 20)
 # Growth of the workers' swap in a window: a few pages swapped out are noise, a MiB paging.
@@ -69,26 +73,33 @@ class WorkerView:
     memory_room_source: str | None = None
     more_workers_memory_allows: int | None = None
     swapping: bool = False  # the workers' swap grows (or the host's, with theirs in it)
+    private_growth_bytes_per_second: float | None = None  # per worker (memgrowth)
+    # bytes each worker is projected to copy yet of the dataset's largest container,
+    # counted in the memory cap (None: no growth seen, or no container)
+    copy_left_bytes: float | None = None
+    dataset_containers: tuple[DatasetContainer, ...] = ()  # the largest first
 
 
 def _rate(x: float | None, seconds: float) -> float | None:
     return None if x is None or seconds <= 0 else x / seconds
 
 
-def memory_room(s: LoaderSignals, machine: Machine) -> tuple[float, str] | None:
-    """Memory more workers may take, keeping bands.MEMORY_RESERVE free: the tighter of the
-    container's limit (when the exporter reports its cgroup) and the host's available."""
+def memory_room(s: LoaderSignals, machine: Machine, reserve: float = bands.MEMORY_RESERVE
+                ) -> tuple[float, str] | None:
+    """Memory more workers may take, keeping `reserve` of the total free: the tighter of
+    the container's limit (when the exporter reports its cgroup) and the host's
+    available; with no reserve, the memory left before the OOM killer."""
     if s.workers.available is not None:  # the trainer's own container, while it worked
         total = s.memory_total or machine.memory_total or 0
-        return max(0.0, s.workers.available - bands.MEMORY_RESERVE * total), "trainer"
+        return max(0.0, s.workers.available - reserve * total), "trainer"
     options = []
     if s.cgroup_limit and s.cgroup_usage is not None:
-        options.append((s.cgroup_limit * (1 - bands.MEMORY_RESERVE) - s.cgroup_usage, "cgroup"))
+        options.append((s.cgroup_limit * (1 - reserve) - s.cgroup_usage, "cgroup"))
     available = s.memory_available if s.memory_available is not None else \
         machine.memory_available
     total = s.memory_total or machine.memory_total
     if available is not None and total:
-        options.append((available - bands.MEMORY_RESERVE * total, "host"))
+        options.append((available - reserve * total, "host"))
     if not options:
         return None
     room, where = min(options)
@@ -99,6 +110,8 @@ def view(s: LoaderSignals, machine: Machine, starved: bool) -> WorkerView:
     """The workers' figures and their bottleneck before any advice (see advise)."""
     w = s.workers
     v = WorkerView(live_workers=s.workers_active, swap_bytes=w.swap, max_rss_bytes=w.max_rss,
+                   dataset_containers=s.dataset_containers,
+                   private_growth_bytes_per_second=memgrowth.per_worker(s),
                    read_storage_bytes_per_second=_rate(w.storage, s.seconds),
                    read_bytes_per_second=_rate(w.syscalls, s.seconds),
                    major_faults_per_second=_rate(w.major_faults, s.seconds),
@@ -118,7 +131,12 @@ def view(s: LoaderSignals, machine: Machine, starved: bool) -> WorkerView:
     if room is not None:
         v.memory_room_bytes, v.memory_room_source = room
         if v.rss_bytes:
-            v.more_workers_memory_allows = math.floor(room[0] / v.rss_bytes)
+            # Copy-on-read: each worker, a new one too, is still to copy this much, and
+            # the live ones take it from the same room (projected, not held now).
+            left = memgrowth.still_to_copy(s)
+            v.copy_left_bytes = left or None
+            free = max(0.0, room[0] - (live or 0.0) * left)
+            v.more_workers_memory_allows = math.floor(free / (v.rss_bytes + left))
     v.swapping = bool(w.swap) and ((w.swap_growth or 0.0) > SWAP_GROWTH or
                                    s.swap_growth > SWAP_GROWTH)
     v.bottleneck, v.why = _bottleneck(v, s, starved)
@@ -297,9 +315,12 @@ def _memory_cap(v: WorkerView, s: LoaderSignals, workers: int, advice: Advice) -
                          "workers ran",
               "cgroup": "the container's memory limit less its usage"}.get(
         v.memory_room_source or "", "the host's available memory")
+    copying = (f" and is still to copy about {gib(v.copy_left_bytes)} of "
+               f"`{v.dataset_containers[0].attribute}` (copy-on-read)"
+               if v.copy_left_bytes and v.dataset_containers else "")
     limit = (f"memory, not CPU, is the limit: each worker holds {gib(v.rss_bytes or 0.0)} "
-             f"({_kind(v)}); {gib(v.memory_room_bytes or 0.0)} available allows {allowed} more "
-             f"({source}, keeping {pct(bands.MEMORY_RESERVE)} of the total free)")
+             f"({_kind(v)}){copying}; {gib(v.memory_room_bytes or 0.0)} available allows "
+             f"{allowed} more ({source}, keeping {pct(bands.MEMORY_RESERVE)} of the total free)")
     if allowed == 0 and v.bottleneck in (CPU, BLOCKED):  # not one more worker fits
         v.bottleneck, v.why = MEMORY, f"{v.why}; {limit}"
     return Advice(workers + allowed, f"{advice.why}; {limit}")
