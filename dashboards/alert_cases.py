@@ -83,6 +83,40 @@ def memory(available: int, swap: str) -> tuple[tuple[str, str], ...]:
             s(cat.HOST_SWAP_USED, swap, **HOST))
 
 
+MIB = 2**20
+GIB = 2**30
+SPAN = 50  # minutes of each memory-growth case's series
+
+
+def private_growth(per_second: int) -> tuple[str, str]:
+    """The trainer's measure of how fast the loader's workers' private memory grows."""
+    return s(cat.WORKER_PRIVATE_GROWTH, f"{per_second}x{SPAN}", **LOADER)
+
+
+def pss(per_minute: int, until: int = SPAN) -> tuple[str, str]:
+    """The loader's workers' PSS from 2 GiB, rising `per_minute` bytes a minute (absent
+    after minute `until`, where given)."""
+    values = f"{2 * GIB}+{per_minute}x{until}"
+    return s(cat.WORKER_MEMORY, values + (f" _x{SPAN - until}" if until < SPAN else ""),
+             **LOADER, kind="pss")
+
+
+def room(available: int, loader: str = "train") -> tuple[str, str]:
+    """The least memory the trainer's container had left while the loader's workers ran."""
+    return s(cat.WORKER_MEMORY, f"{available}x{SPAN}", **{**LOADER, "loader": loader},
+             kind="available")
+
+
+def alive(active: str = f"2x{SPAN}") -> tuple[str, str]:
+    return s(cat.WORKERS_ACTIVE, active, **LOADER)
+
+
+def growing(per_second: int, available: int = GIB) -> tuple[tuple[str, str], ...]:
+    """Two live workers whose private memory grows `per_second` bytes a second, their PSS
+    2/3 as fast (copy-on-read), with `available` bytes of room."""
+    return (private_growth(per_second), pss(per_second * 40), alive(), room(available))
+
+
 IDLE_GPU = (s(cat.GPU_UTILIZATION, "0.3x30", **GPU0),)
 BUSY_GPU = (s(cat.GPU_UTILIZATION, "0.9x30", **GPU0),)
 # Kubernetes: the sidecar has no NVML; dcgm-exporter labels the pod's GPU (in percent).
@@ -231,4 +265,29 @@ CASES: tuple[Case, ...] = (
          memory(500, "0+1000x15"), "10m", fires(HOST)),
     Case("DataLoaderHostMemoryPressure", "stays quiet when swap is in use but flat",
          memory(500, "1000x15"), "10m"),
+
+    Case("DataLoaderWorkerMemoryGrowth", "fires when private memory grows 1 MiB/s with 1 GiB "
+         "left (21 GiB in 6 hours)", growing(MIB), "40m", fires(LOADER)),
+    Case("DataLoaderWorkerMemoryGrowth", "fires when 64 KiB/s would outgrow 1 GiB left within "
+         "6 hours (1.3 GiB)", growing(64 * 1024), "40m", fires(LOADER)),
+    Case("DataLoaderWorkerMemoryGrowth", "fires with one worker whose PSS grows half as fast "
+         "as its private memory",
+         (private_growth(MIB), pss(MIB * 30), alive(f"1x{SPAN}"), room(GIB)), "40m",
+         fires(LOADER)),
+    Case("DataLoaderWorkerMemoryGrowth", "stays quiet at 64 KiB/s with 2 GiB left",
+         growing(64 * 1024, 2 * GIB), "40m"),
+    Case("DataLoaderWorkerMemoryGrowth", "stays quiet when PSS is flat under a growth still "
+         "exported (stale)", (private_growth(MIB), pss(0), alive(), room(GIB)), "40m"),
+    Case("DataLoaderWorkerMemoryGrowth", "stays quiet when PSS rises far slower than the "
+         "growth exported (16 KiB/s against 1 MiB/s)",
+         (private_growth(MIB), pss(16 * 1024 * 60), alive(), room(GIB)), "40m"),
+    Case("DataLoaderWorkerMemoryGrowth", "stays quiet once the workers ended (the growth and "
+         "the room kept; PSS rising before their end)",
+         (private_growth(MIB), pss(MIB * 40, until=20), alive(f"2x20 0x{SPAN - 20}"),
+          room(GIB)), "40m"),
+    Case("DataLoaderWorkerMemoryGrowth", "stays quiet when one loader grows and only another "
+         "reports little room", (private_growth(MIB), pss(MIB * 40), alive(),
+                                 room(64 * MIB, loader="val")), "40m"),
+    Case("DataLoaderWorkerMemoryGrowth", "stays quiet while no growth is exported (not yet "
+         "measured)", (pss(MIB * 40), alive(), room(64 * MIB)), "40m"),
 )

@@ -1,6 +1,7 @@
 """The alerts, each defined once: the three classic input-pipeline failures (data
-starvation, epoch-start stalls, /dev/shm overflow), crashes and hangs, and the health of
-the exporter itself. dashboards.alerting renders them for Grafana and for Prometheus.
+starvation, epoch-start stalls, /dev/shm overflow), crashes and hangs, memory that runs
+out (the host's, the workers' growing towards an OOM kill), and the health of the exporter
+itself. dashboards.alerting renders them for Grafana and for Prometheus.
 
 Every expression returns only positive values when it fires (see model.Alert), and no
 dashboard variables: alerts see every job.
@@ -14,11 +15,13 @@ from dataloader_exporter.core import catalogue as cat
 from . import dcgm
 from .model import CRITICAL, EXPORTER_CONTAINER, EXPORTER_JOB, WARNING, Alert
 from .promql import (
+    GROWTH_HORIZON_S,
     quantile,
     ratio,
     sel,
     stall_share,
     straggler_excess,
+    worker_memory,
     worker_state_share,
 )
 
@@ -45,6 +48,23 @@ _lost = (f"((increase({_deaths}[{LOST_WINDOW}]) > 0) or ({_deaths} > 0 unless "
          f"{_deaths} offset {LOST_WINDOW})) or ignoring (cause) "
          f'label_replace(increase({sel(cat.WORKERS_LOST)}[{LOST_WINDOW}]) > 0, "cause", '
          '"unknown", "", "")')
+# Copy-on-read: the growth of the workers' private memory the trainer measures, projected
+# GROWTH_HORIZON_S ahead, against the least room its container had while they ran (limit
+# minus usage), while workers live. The gauge is the rate, not deriv() of the workers'
+# PSS: a page one of n workers copies leaves the shared set, so their PSS grows by half of
+# it to nearly all (n/(n+1) on average over the n copies). The gauge is kept after the
+# workers end and until a new pool's is measured, so their PSS must confirm it: rising over
+# half an hour (hundreds of batches, past those in hand) at least 1/PSS_SHARE as fast. Not
+# `> 0`: a flat PSS's slope has either sign (the batches in hand), and would let a stale
+# gauge through about half the time.
+GROWTH_MINUTES = 30
+GROWTH_WINDOW = f"{GROWTH_MINUTES}m"
+PSS_SHARE = 4
+_rate = sel(cat.WORKER_PRIVATE_GROWTH)
+_pss_slope = f"sum without (kind) (deriv({worker_memory('pss')}[{GROWTH_WINDOW}]))"
+_growth = (f"({_rate} * {GROWTH_HORIZON_S} > ignoring (kind) {worker_memory('available')}) "
+           f"and ({sel(cat.WORKERS_ACTIVE)} > 0) and ({_pss_slope} * {PSS_SHARE} > {_rate})")
+_HOURS = f"{GROWTH_HORIZON_S // 3600} hours"
 
 ALERTS: tuple[Alert, ...] = (
     Alert(
@@ -202,5 +222,27 @@ ALERTS: tuple[Alert, ...] = (
         " down and the OOM killer is next. Fix: fewer num_workers or a lower"
         " prefetch_factor; keep datasets in numpy arrays or tensors (Python objects get"
         " copied into every worker on access); free page cache hogs on the host.",
+    ),
+    Alert(
+        "DataLoaderWorkerMemoryGrowth",
+        _growth,
+        "10m", WARNING,
+        f"DataLoader workers' memory would outgrow the room left within {_HOURS}: {LOADER}",
+        "The private memory (USS) of the loader's live workers grows, as the trainer"
+        " measures it (summed over the workers, each over its last minutes, past the batches"
+        " it has in hand), fast enough to take more than the memory the trainer's container"
+        f" could still allocate (its least while the workers ran) within {_HOURS} (the value:"
+        f" that growth, in bytes); their PSS has risen over the last {GROWTH_MINUTES} minutes"
+        " too. The workers or the trainer will be OOM-killed hours into the run. The usual"
+        " cause is copy-on-read: Python objects the dataset holds, such as a list of paths or"
+        " of dicts, are copied into every worker as it reads them (reading an object writes"
+        f" its reference count, and so its page); {cat.DATASET_OBJECTS.name} names the"
+        " attribute that holds the largest such container (its labels: attribute, container,"
+        " item, objects) and about what each worker copies once it has read it all. A cache"
+        " the dataset fills in each worker, or a leak, grows it too. Fix: store such an"
+        ' attribute as a numpy array (np.array(paths, dtype="S"): bytes, no Python objects),'
+        " a pyarrow array or a tensor, and build the item from it in __getitem__; bound any"
+        " cache a worker fills. `dataloader-exporter doctor` names the attribute and the"
+        " time left.",
     ),
 )

@@ -98,6 +98,18 @@ def worker_state_share(state: str, matchers: str, window: str) -> str:
     return f"{part} / ({whole} > 0)"
 
 
+# --- the workers' private memory against the room the trainer has left -------------------
+# How far ahead growth is projected: copy-on-read OOM-kills a run hours after its start, so
+# hours of warning; a drift that would take days to fill the room is left alone.
+GROWTH_HORIZON_S = 6 * 3600
+
+
+def worker_memory(kind: str, matchers: str = "") -> str:
+    """Per loader and rank: the workers' memory of one kind of cat.MEMORY_KINDS (summed
+    over live workers; kind="available" is the room the trainer's container has left)."""
+    return sel(cat.WORKER_MEMORY, matchers, kind=kind)
+
+
 # --- across ranks -----------------------------------------------------------------------
 # In synchronous data parallel the ranks of a job share one batch period: each step waits
 # at its collective for the slowest rank. These build the job-level figures from raw

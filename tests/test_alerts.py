@@ -15,7 +15,8 @@ from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.dashboards import model
 from dataloader_exporter.dashboards.alert_cases import CASES
 from dataloader_exporter.dashboards.alerting import EXPR_UID, expand, prometheus_rules
-from dataloader_exporter.dashboards.alerts import ALERTS
+from dataloader_exporter.dashboards.alerts import ALERTS, PSS_SHARE
+from dataloader_exporter.dashboards.promql import GROWTH_HORIZON_S
 
 GRAFANA = yaml.safe_load(FILES["grafana/provisioning/alerting/alerts.yaml"])
 RULES = yaml.safe_load(FILES["prometheus/rules.yml"])
@@ -30,7 +31,7 @@ def test_every_alert_is_there_with_a_fix_in_its_description() -> None:
         "DataLoaderShmNearlyFull", "DataLoaderShmFull", "DataLoaderWorkerLost",
         "DataLoaderWorkersCpuStarved", "DataLoaderStalled",
         "DataLoaderExporterDown", "DataLoaderSnapshotsStale", "DataLoaderGpuCollectorDown",
-        "DataLoaderHostMemoryPressure"]
+        "DataLoaderHostMemoryPressure", "DataLoaderWorkerMemoryGrowth"]
     for a in ALERTS:
         assert "Fix" in a.description and a.summary, a.name
         assert "$" not in a.expr, f"{a.name}: alerts see every job, no dashboard variables"
@@ -44,6 +45,45 @@ def test_every_alert_is_there_with_a_fix_in_its_description() -> None:
         assert f"{cause} (" in lost.description, cause  # each cause with its fix
     starved = by_name["DataLoaderWorkersCpuStarved"]
     assert cat.WORKER_TIME.name in starved.expr and "num_workers" in starved.description
+    growth = by_name["DataLoaderWorkerMemoryGrowth"]
+    assert growth.severity == model.WARNING and growth.for_ == "10m"
+    # The trainer's growth gauge is the rate; the room, live workers and a rising PSS gate it.
+    assert (f"{cat.WORKER_PRIVATE_GROWTH.name} * {GROWTH_HORIZON_S} > ignoring (kind) "
+            f'{cat.WORKER_MEMORY.name}{{kind="available"}}') in growth.expr
+    assert f" and ({cat.WORKERS_ACTIVE.name} > 0) and " in growth.expr
+    assert f'deriv({cat.WORKER_MEMORY.name}{{kind="pss"}}[30m])' in growth.expr
+    assert set(re.findall(r'kind="(\w+)"', growth.expr)) == {"available", "pss"}
+    for words in ("copy-on-read", 'np.array(paths, dtype="S")', "pyarrow", "tensor",
+                  cat.DATASET_OBJECTS.name, "dataloader-exporter doctor"):
+        assert words in growth.description, words
+
+
+# Each condition of DataLoaderWorkerMemoryGrowth weakened, and the case that catches it:
+# the room matched on the rank alone (one loader's growth meets another's little room), no
+# live workers asked for (the growth is kept after they end), and PSS asked only to rise
+# (the brief slope of a stale gauge's flat PSS).
+_ACTIVE = f" and ({cat.WORKERS_ACTIVE.name} > 0)"
+WEAKENED = [("ignoring (kind)", "on (job, instance, rank) group_left ()", "only another"),
+            (_ACTIVE, "", "workers ended"),
+            (f" * {PSS_SHARE} > {cat.WORKER_PRIVATE_GROWTH.name})", " > 0)", "far slower")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("old", "new", "caught_by"), WEAKENED)
+def test_the_memory_growth_cases_catch_each_condition_weakened(
+        tmp_path: Path, promtool: str, old: str, new: str, caught_by: str) -> None:
+    wrong = prometheus_rules(ALERTS)
+    for rule in wrong["groups"][0]["rules"]:
+        if rule["alert"] == "DataLoaderWorkerMemoryGrowth":
+            assert rule["expr"].count(old) == 1
+            rule["expr"] = rule["expr"].replace(old, new)
+    result = promtool_run(promtool, "test", "rules", str(write_rule_file(tmp_path, "rules",
+                                                                          wrong)))
+    assert result.returncode != 0
+    out = result.stdout + result.stderr
+    failed = re.findall(r"name: (DataLoaderWorkerMemoryGrowth [^,\n]*)", out)
+    assert failed == [f"{c.alert} {c.name}" for c in CASES
+                      if c.alert == "DataLoaderWorkerMemoryGrowth" and caught_by in c.name]
 
 
 def test_every_metric_an_alert_names_is_in_the_catalogue() -> None:

@@ -16,6 +16,8 @@ import yaml
 
 from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.dashboards import build, dcgm, model, recording
+from dataloader_exporter.dashboards.alerts import ALERTS
+from dataloader_exporter.dashboards.promql import GROWTH_HORIZON_S
 from dataloader_exporter.dashboards.render import render
 
 REPO = Path(__file__).resolve().parents[1]
@@ -226,8 +228,25 @@ def test_the_overview_shows_where_the_workers_time_goes_their_memory_and_failure
     assert {t["legendFormat"] for t in shown["Worker memory"]["targets"]} == {
         "{{loader}} {{kind}}", "{{loader}} largest worker (rss)",
         "{{loader}} available (tightest rank)"}
+    # PSS (RSS where PSS cannot be read) and swap; the room is a line of its own.
+    assert 'kind!="available"' in exprs["Worker memory"]
+    # The growth the trainer measures, projected as the alert projects it, against the room.
+    growth = exprs["Worker memory growth"]
+    assert {t["legendFormat"] for t in shown["Worker memory growth"]["targets"]} == {
+        "{{loader}} growth in 6 h at the measured rate (fastest rank)",
+        "{{loader}} available (tightest rank)", "{{loader}} pss (largest rank)",
+        "{{loader}} {{attribute}}: {{container}} of {{objects}} {{item}} (each worker)"}
+    assert 'kind="pss"' in growth and 'kind="available"' in growth
+    assert f"{cat.WORKER_PRIVATE_GROWTH.name}{{" in growth and f") * {GROWTH_HORIZON_S}" in growth
+    assert f"* {GROWTH_HORIZON_S} >" in next(a.expr for a in ALERTS
+                                            if a.name == "DataLoaderWorkerMemoryGrowth")
+    assert "by (loader, attribute, container, item, objects)" in growth
+    assert "DataLoaderWorkerMemoryGrowth" in shown["Worker memory growth"]["description"]
     for title, metric in (("Worker memory", cat.WORKER_MEMORY),
-                          ("Worker memory", cat.WORKER_MAX_RSS), ("Worker reads", cat.WORKER_READ),
+                          ("Worker memory", cat.WORKER_MAX_RSS),
+                          ("Worker memory growth", cat.WORKER_PRIVATE_GROWTH),
+                          ("Worker memory growth", cat.DATASET_OBJECTS),
+                          ("Worker reads", cat.WORKER_READ),
                           ("Worker major page faults", cat.WORKER_MAJOR_FAULTS),
                           ("Worker failures by cause", cat.FAILURES)):
         assert metric.name in exprs[title], (title, metric.name)

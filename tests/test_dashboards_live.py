@@ -151,6 +151,31 @@ def test_the_tuner_panels_show_the_tuned_loader_and_nothing_for_one_that_is_not_
             assert live.prometheus.query(live.expand(target["expr"])) == [], panel["title"]
 
 
+# Worker memory growth in this run: the workers' PSS and the room from the start; the
+# growth the trainer measures once a worker has been read for GROWTH_SPAN seconds and
+# GROWTH_READINGS times besides its first (instrument/memgrowth.py); the dataset's largest
+# container of Python objects never (SleepDataset holds none), so that query only has to
+# run and find nothing.
+GROWTH_PANEL = "Worker memory growth"
+GROWTH_NEVER_HERE = {cat.DATASET_OBJECTS.name}
+
+
+def test_the_worker_memory_growth_panel_shows_the_growth_the_room_and_pss(live: Live) -> None:
+    board = next(b for b in build.BOARDS if b.uid == "dataloader-overview")
+    (panel,) = [p for p in render(board)["panels"] if p["title"] == GROWTH_PANEL]
+    shown = 0
+    for target in panel["targets"]:
+        expr = live.expand(target["expr"])
+        if any(name in expr for name in GROWTH_NEVER_HERE):
+            assert live.prometheus.query(expr) == [], target["legendFormat"]
+            continue
+        result = eventually(live, expr, timeout=60)  # the growth: about 20 s from the start
+        assert finite(result), (target["legendFormat"], result)
+        assert {r["metric"].get("loader") for r in result} == {"train"}, result
+        shown += 1
+    assert shown == 3  # the growth, the room and PSS
+
+
 def test_every_variable_query_runs_and_the_overview_ones_list_this_run(live: Live) -> None:
     for board in build.BOARDS:
         for v in render(board)["templating"]["list"]:

@@ -1,6 +1,7 @@
 """The overview's row on the loader's workers as the trainer reads them from /proc: where
-their wall time goes (running, waiting for a CPU, blocked), their memory and reads, and
-why they failed. Each panel reads per loader; the $rank variable picks ranks."""
+their wall time goes (running, waiting for a CPU, blocked), their memory and its growth
+(copy-on-read), their reads, and why they failed. Each panel reads per loader; the $rank
+variable picks ranks."""
 
 from __future__ import annotations
 
@@ -8,11 +9,20 @@ from dataloader_exporter.core import bands
 from dataloader_exporter.core import catalogue as cat
 
 from ..model import BYTES, BYTES_PER_SECOND, COUNT, Panel, Row
-from ..promql import LOADER, RATE_INTERVAL, rate, sel, workers_by_state
+from ..promql import (
+    GROWTH_HORIZON_S,
+    LOADER,
+    RATE_INTERVAL,
+    rate,
+    sel,
+    worker_memory,
+    workers_by_state,
+)
 
 W = RATE_INTERVAL
-_ROOM = 'kind="available"'  # not the workers' memory: what more of them would have to fit in
-_HELD = 'kind!="available"'
+_ROOM = "available"  # not the workers' memory: what more of them would have to fit in
+_HELD = f'kind!="{_ROOM}"'
+_HOURS = GROWTH_HORIZON_S // 3600
 
 WHY_WORKERS = Row("Why the workers are slow, and why they fail", (
     Panel("Worker time by state",
@@ -31,24 +41,52 @@ WHY_WORKERS = Row("Why the workers are slow, and why they fail", (
           COUNT, (("{{loader}} {{state}}", workers_by_state(LOADER, W, "loader")),),
           stack=True),
     Panel("Worker memory",
-          "Memory of the loader's live workers, summed: RSS (pages shared copy-on-write with "
-          "the main process count in every worker, so it overstates), PSS (shared pages "
-          "divided among their sharers: what the workers really cost, about PSS / workers "
-          "each) and swap; and the largest worker's RSS. Good: flat, with swap at 0. Growing: "
-          "something accumulates per worker (a cache, Python objects touched copy-on-access: "
-          "keep datasets in numpy arrays or tensors). Swap in use and growing slows workers to "
-          "a crawl and the OOM killer is next: fewer workers or a lower prefetch_factor. The "
-          "doctor never advises more workers than the memory available holds at this size: "
-          "available is the least the trainer's container could still allocate while they "
-          "ran (per rank, so the panel shows the tightest rank).",
+          "Memory of the loader's live workers, summed: PSS (shared pages divided among their "
+          "sharers: what the workers really cost, about PSS / workers each) and swap, or RSS "
+          "instead of PSS where PSS cannot be read (pages shared copy-on-write with the main "
+          "process count in every worker, so it overstates); and the largest worker's RSS. "
+          "Good: flat, with swap at 0. Growing: something accumulates per worker (a cache, "
+          "Python objects touched copy-on-access: keep datasets in numpy arrays or tensors; "
+          "see Worker memory growth). Swap in use and growing slows workers to a crawl and the "
+          "OOM killer is next: fewer workers or a lower prefetch_factor. The doctor never "
+          "advises more workers than the memory available holds at this size: available is "
+          "the least the trainer's container could still allocate while they ran (per rank, "
+          "so the panel shows the tightest rank).",
           BYTES, (("{{loader}} {{kind}}",
                    f"sum by (loader, kind) "
                    f"({sel(cat.WORKER_MEMORY, f'{LOADER},{_HELD}')})"),
                   ("{{loader}} available (tightest rank)",
-                   f"min by (loader) "
-                   f"({sel(cat.WORKER_MEMORY, f'{LOADER},{_ROOM}')})"),
+                   f"min by (loader) ({worker_memory(_ROOM, LOADER)})"),
                   ("{{loader}} largest worker (rss)",
                    f"max by (loader) ({sel(cat.WORKER_MAX_RSS, LOADER)})"))),
+    Panel("Worker memory growth",
+          "How much the private memory (USS) of the loader's live workers would grow in "
+          f"{_HOURS} hours at the rate the trainer measures (summed over the workers, each "
+          "over its last minutes, past the batches it has in hand; the latest measured, kept "
+          "after the workers end), at the fastest rank; the least memory the trainer's "
+          "container could still allocate while they ran, at the tightest rank; the workers' "
+          "PSS, at the largest rank, which rises with a real growth; and the largest container "
+          "of Python objects among the dataset's attributes (its path, type, item type and "
+          "items), with about what each worker copies once it has read it all. Good: the "
+          f"{_HOURS}-hour growth near 0 once the workers have read the data, and well under "
+          "available. Growth above available while PSS rises: the workers or the trainer will "
+          "be OOM-killed hours into the run (DataLoaderWorkerMemoryGrowth). The usual cause "
+          "is copy-on-read: a worker that reads a Python object writes its reference count "
+          "and so copies its page, and a list of paths or dicts ends up copied into every "
+          "worker; the container shown is the one to change. Store it as a numpy array "
+          '(np.array(paths, dtype="S")), a pyarrow array or a tensor; `dataloader-exporter '
+          'doctor` names it and the time left.',
+          BYTES, ((f"{{{{loader}}}} growth in {_HOURS} h at the measured rate (fastest rank)",
+                   f"max by (loader) ({sel(cat.WORKER_PRIVATE_GROWTH, LOADER)}) * "
+                   f"{GROWTH_HORIZON_S}"),
+                  ("{{loader}} available (tightest rank)",
+                   f"min by (loader) ({worker_memory(_ROOM, LOADER)})"),
+                  ("{{loader}} pss (largest rank)",
+                   f"max by (loader) ({worker_memory('pss', LOADER)})"),
+                  ("{{loader}} {{attribute}}: {{container}} of {{objects}} {{item}} "
+                   "(each worker)",
+                   f"max by (loader, attribute, container, item, objects) "
+                   f"({sel(cat.DATASET_OBJECTS, LOADER)})"))),
     Panel("Worker reads",
           "Bytes per second the loader's workers read: from storage (block devices), and "
           "through read calls of any kind (syscalls: the page cache and the network too). "
