@@ -209,7 +209,7 @@ MEMORY_KINDS: tuple[str, ...] = ("rss", "pss", "swap", "available")
 WORKER_MEMORY = _m(
     "dataloader_worker_memory_bytes", GAUGE,
     "Memory of the loader's live workers, summed over workers: proportional (kind=pss; "
-    "shared pages divided among their sharers, read about once a second where cheap), "
+    "shared pages divided among their sharers, read as often as it stays cheap), "
     "resident instead where PSS cannot be read (kind=rss; pages shared with the main "
     "process count in every worker) and swapped out (kind=swap); and the least memory the "
     "trainer's container could still allocate while they ran (kind=available: its memory "
@@ -236,12 +236,12 @@ DATASET_LABELS: tuple[str, ...] = (*LOADER_LABELS, "attribute", "container", "it
 DATASET_OBJECTS = _m(
     "dataloader_dataset_objects_bytes", GAUGE,
     "Estimated size (from a sample of its items) of the largest container of Python objects "
-    "among the dataset's attributes, a list, tuple, dict, object array or pandas column of "
-    "over 100,000 items, looked at once before the loader's first workers start, through "
-    "Subset and ConcatDataset: every worker that reads its items writes their reference "
-    "counts and so copies their pages (copy-on-read), about this much each once it has read "
-    "them all. attribute: its path (dataset.paths); container and item: their types; "
-    "objects: its items. Absent where none was found.",
+    "in the dataset (a list, tuple, dict, object array or pandas column of 100,000 items or "
+    "more among its attributes, through Subset, ConcatDataset and other datasets it holds), "
+    "looked at once before the loader's first forked workers start: every worker that reads "
+    "its items writes their reference counts and so copies their pages (copy-on-read), "
+    "about this much each once it has read them all. attribute: its path (dataset.paths); "
+    "container and item: their types; objects: its items. Absent where none was found.",
     "bytes", DATASET_LABELS, TRAINER)
 # Why a worker failed, as observed: never a cause that was not seen (instrument/failure_causes.py).
 FAILURE_CAUSES: tuple[str, ...] = ("oom", "killed", "crash", "shm", "error")

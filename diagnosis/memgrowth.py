@@ -20,8 +20,7 @@ the container is named as what the dataset holds, not as a cause seen.
 
 from __future__ import annotations
 
-import re
-
+from dataloader_exporter.core.copyonread import remedy
 from dataloader_exporter.diagnosis.signals import LoaderSignals
 from dataloader_exporter.diagnosis.units import gib
 from dataloader_exporter.diagnosis.workersignals import DatasetContainer
@@ -112,22 +111,7 @@ def describe(c: DatasetContainer) -> str:
 
 def fix(c: DatasetContainer) -> str:
     """What to store the container as, so that no Python object per item is read."""
-    name = (re.findall(r"[A-Za-z_]\w*", c.attribute) or ["items"])[-1]
-    if c.container == "dict":  # its item is "key:value"
-        return ("two arrays, its keys and values (numpy: sorted keys found with "
-                "`np.searchsorted`), or a pyarrow table")
-    if c.container in ("DataFrame", "Series"):
-        return ("a frame whose columns hold no Python objects (numbers, or strings backed "
-                "by pyarrow: `.astype(\"string[pyarrow]\")`)")
-    if c.item == "str":
-        return (f"a numpy array (`np.array([x.encode() for x in {name}])`, decoded when "
-                "read), a pyarrow array or a tensor")
-    if c.item in ("int", "float", "bool", "bytes"):
-        return f"a numpy array (`np.array({name})`), a pyarrow array or a tensor"
-    if c.item in ("tuple", "list", "dict"):
-        return ("a numpy array per field (or a structured array), a pyarrow table or "
-                "tensors")
-    return "numpy arrays of its items' fields, a pyarrow table or tensors"
+    return remedy(c.attribute, c.container, c.item)
 
 
 def message(s: LoaderSignals, room: tuple[float, str] | None) -> str:
@@ -140,9 +124,10 @@ def message(s: LoaderSignals, room: tuple[float, str] | None) -> str:
     head = f"memory growth: the workers' private memory grows ~{per_minute(rate)} each ({who}"
     first = largest(s)
     if first is None:
-        return (f"{head}), and no attribute of the dataset was found to hold a large "
-                "container of Python objects: something else accumulates in the workers (a "
-                "cache the dataset fills, a leak), and each added worker would grow too"
+        return (f"{head}), and the trainer named no large container of Python objects among "
+                "the dataset's attributes (none where it looks, or it could not look): "
+                "something else may accumulate in the workers (a cache the dataset fills, a "
+                "leak), and each added worker would grow too"
                 f"{_projection(s, room)}")
     return (f"{head}; copy-on-read): `{first.attribute}` is {what(first)} whose items' "
             "reference counts are written on every read, so each worker copies their pages, "
@@ -179,9 +164,10 @@ def oom_words(s: LoaderSignals) -> tuple[str, str]:
     if first is None:
         if not grew:
             return "", ""
-        return (f"{growth}, and no attribute of the dataset was found to hold a large "
-                "container of Python objects: something else accumulates in the workers (a "
-                "cache the dataset fills, a leak)",
+        return (f"{growth}, and the trainer named no large container of Python objects among "
+                "the dataset's attributes (none where it looks, or it could not look): "
+                "something else may accumulate in the workers (a cache the dataset fills, a "
+                "leak)",
                 "find what accumulates in the workers and bound it; then ")
     store = (f"store `{first.attribute}` as {fix(first)}, which the workers share rather "
              "than copy; then ")
@@ -201,6 +187,6 @@ def top_line(s: LoaderSignals) -> str | None:
         return None
     c = largest(s)
     cause = (f"copy-on-read: {describe(c)}" if c is not None
-             else "no large container of Python objects found in the dataset")
+             else "no large container of Python objects named in the dataset")
     return (f"  {s.loader[:16]} rank {s.rank}: workers' private memory grows "
             f"{per_minute(per_worker(s) or 0.0)} each ({cause})")

@@ -1,36 +1,43 @@
 """The dataset's large containers of Python objects, which forked workers copy as they
-read them (copy-on-read), found once before a loader's first pool of workers starts.
+read them (copy-on-read), found once before a loader's first pool of forked workers starts.
 
-A worker shares its parent's memory copy-on-write; reading an object writes its reference
-count, so a worker that reads the items of a list of 3,000,000 paths copies the pages
-they sit on, and each worker ends up with its own copy (memgrowth.py sees it grow). A
-numpy array, a pyarrow array or a tensor holds its items in one buffer with one reference
-count: nothing is copied.
+A forked worker shares its parent's memory copy-on-write; reading an object writes its
+reference count, so a worker that reads the items of a list of 3,000,000 paths copies the
+pages they sit on, and each worker ends up with its own copy (memgrowth.py sees it grow).
+A numpy array, a pyarrow array or a tensor holds its items in one buffer with one reference
+count: nothing is copied. (Under spawn or forkserver each worker unpickles its own copy of
+the dataset from the start: nothing grows, and nothing is looked at.)
 
-What is looked at: the dataset's attributes, the attributes of the datasets it wraps
-(torch's Subset and ConcatDataset, or any Dataset held as an attribute, up to MAX_DEPTH),
-and the items of a small list, tuple or dict among them (a dict of lists). A list, tuple,
-dict, object-dtype numpy array or pandas object of MIN_OBJECTS items or more is a
-container, reported with its path (dataset.paths, dataset.dataset.samples,
-dataset.datasets[0].paths, dataset.index['paths']), its type, its items' type, their
-count and an estimate of their size from a sample of SAMPLE items.
+What is looked at: the dataset itself (DataLoader(paths)), its attributes, the attributes of
+the torch Datasets it holds (Subset, ConcatDataset, any other, up to MAX_DEPTH), and the
+items of a small list, tuple or dict among them (a dict of lists). A list, tuple or dict (or
+a subclass: defaultdict, OrderedDict), object-dtype numpy array or pandas column of
+MIN_OBJECTS Python objects or more is a container, reported with its path (dataset.paths,
+dataset.dataset.samples, dataset.datasets[0].paths, dataset.index['paths']), its type, its
+items' type, their count and an estimate of their size from a sample of SAMPLE items.
 
-What looking costs the training: nothing it can see. An instance's attributes are reached
-with gc.get_referents, which does not make its __dict__ (in CPython 3.11, asking for an
-instance's __dict__ slows every later attribute read of it about threefold); the
-__dict__ is read only to name a container found. A container's items are not touched but
-its sample (their reference counts written once in the parent, before the fork). numpy
-and pandas objects are recognised by their type's module, never imported. The scan
-stops after SCAN_BUDGET seconds, with what it found so far.
+What looking costs the training: nothing it can see. No user code runs: an instance's
+attributes are reached with gc.get_referents and read with object.__getattribute__ (no
+property, __getattr__ or proxy is called: a name a class defines is skipped), lengths and
+items of containers through the base types' own methods. The dataset's __dict__ is never
+made (in CPython 3.11, asking for an instance's __dict__ slows every later attribute read
+of it about threefold): a container is named from the names its class's code uses. No
+item is touched but a container's sample (their reference counts written once in the
+parent, before the fork). numpy and pandas objects are recognised by their type's module,
+never imported. The scan stops after SCAN_BUDGET seconds, with what it found so far; an
+object that cannot be looked at is passed over.
 """
 
 from __future__ import annotations
 
 import gc
 import itertools
+import multiprocessing
+import re
 import sys
 from dataclasses import dataclass
 from time import perf_counter
+from types import MemberDescriptorType
 from typing import Any, NamedTuple
 
 import torch
@@ -41,6 +48,9 @@ SMALL = 16  # a list, tuple or dict this small is looked into, one level
 MAX_DEPTH = 3  # datasets within datasets looked into
 SCAN_BUDGET = 0.01  # seconds
 MOST = 3  # containers reported per loader, the largest by size
+REFERENTS = 256  # an object's attributes looked at, at most
+COLUMNS = 256  # a DataFrame's columns looked at, at most
+KEY = re.compile(r"[A-Za-z_][\w.-]{0,63}")  # a dict key shown in a path; others read […]
 
 
 @dataclass(frozen=True)
@@ -65,52 +75,105 @@ def scan(dataset: Any, budget: float = SCAN_BUDGET) -> tuple[Container, ...]:
     """The MOST largest containers found in `dataset` within `budget` seconds."""
     deadline = perf_counter() + budget
     found: list[Container] = []
-    todo = [_Node(dataset, None, None, 0)]
+    root = _Node(dataset, None, None, 0)
+    try:
+        measured = _measure(dataset)
+    except Exception:
+        measured = None
+    if measured is not None:
+        return (Container("dataset", *measured),)
+    todo = [root]
     seen = {id(dataset)}
     while todo and perf_counter() < deadline:
         node = todo.pop(0)
-        for value, key in _members(node.obj):
+        try:
+            members = _members(node.obj)
+        except Exception:
+            continue
+        for value, key in members:
+            if perf_counter() >= deadline:
+                break
             if id(value) in seen:
                 continue
             seen.add(id(value))
             child = _Node(value, node, key, node.depth + 1)
-            measured = _measure(value)
-            if measured is not None:
-                found.append(Container(_path(child), *measured))
-            elif isinstance(value, torch.utils.data.Dataset) and child.depth <= MAX_DEPTH:
-                todo.append(child)
-            elif key is None and type(value) in (list, tuple, dict) and len(value) <= SMALL:
-                todo.append(child)  # a dict of lists, a list of datasets: their items
+            try:
+                measured = _measure(value)
+                if measured is not None:
+                    found.append(Container(_path(child)[:200], *measured))
+                elif issubclass(type(value), torch.utils.data.Dataset):
+                    if child.depth <= MAX_DEPTH:
+                        todo.append(child)
+                elif key is None and type(value) in (list, tuple, dict) and len(value) <= SMALL:
+                    todo.append(child)  # a dict of lists, a list of datasets: their items
+            except Exception:
+                continue
     found.sort(key=lambda c: -c.bytes)
     return tuple(found[:MOST])
 
 
+def start_method(loader: Any) -> str | None:
+    """How the loader's workers start: its multiprocessing context's method, else the
+    process's (as set, or the platform's default: the first of get_all_start_methods(),
+    asked for without fixing it)."""
+    context = getattr(loader, "multiprocessing_context", None)
+    if context is not None:
+        return str(context.get_start_method())
+    method = multiprocessing.get_start_method(allow_none=True)
+    return method or multiprocessing.get_all_start_methods()[0]
+
+
 def _members(obj: Any) -> list[tuple[Any, str | None]]:
-    """An object's attribute values (key None), or a small container's items (with their
-    key), without making an instance's __dict__."""
-    if type(obj) in (list, tuple):
-        return [(v, f"[{i}]") for i, v in enumerate(obj)]
-    if type(obj) is dict:
-        return [(v, f"[{k!r}]") for k, v in obj.items()]
-    cls = type(obj)
+    """An object's attribute values (key None), or a small list's, tuple's or dict's
+    items (with their key), without making an instance's __dict__."""
+    t = type(obj)
+    if t is list or t is tuple:
+        return [(v, f"[{i}]") for i, v in enumerate(obj)] if len(obj) <= SMALL else []
+    if t is dict:
+        return [(v, _key(k)) for k, v in obj.items()] if len(obj) <= SMALL else []
     out: list[tuple[Any, str | None]] = []
-    for v in gc.get_referents(obj):
-        if v is cls:
+    for v in itertools.islice(gc.get_referents(obj), REFERENTS):
+        if v is t:
             continue
         if _instance_dict(obj, v):  # made already: its values are the attributes
-            out += [(x, None) for x in v.values()]
+            out += [(x, None) for x in itertools.islice(v.values(), REFERENTS)]
         else:
             out.append((v, None))
     return out
 
 
+def _key(k: Any) -> str:
+    """A dict key as a path shows it: short names and numbers as written, others […]."""
+    if (type(k) is str and KEY.fullmatch(k)) or type(k) is int:
+        return f"[{k!r}]"
+    return "[…]"
+
+
+def _defined(cls: type, name: str) -> bool:
+    """Whether a class of cls's MRO defines `name` (a method, property or class value:
+    reading it could run code, and it is no instance attribute anyway), but as a slot."""
+    return any(name in vars(c) and type(vars(c)[name]) is not MemberDescriptorType
+               for c in cls.__mro__)
+
+
+def _own(obj: Any, name: str) -> Any:
+    """obj's instance attribute `name`, read without running any of its code; _MISSING."""
+    if _defined(type(obj), name):
+        return _MISSING
+    try:
+        return object.__getattribute__(obj, name)
+    except Exception:
+        return _MISSING
+
+
 def _instance_dict(obj: Any, d: Any) -> bool:
     """Whether `d`, one of obj's referents, is obj's __dict__ (its first key names an
-    attribute of obj holding its first value), told without asking for obj.__dict__."""
+    instance attribute of obj holding its first value), told without asking for
+    obj.__dict__."""
     if type(d) is not dict or not d:
         return False
     key = next(iter(d))
-    return type(key) is str and getattr(obj, key, _MISSING) is d[key]
+    return type(key) is str and _own(obj, key) is d[key]
 
 
 _MISSING = object()
@@ -124,39 +187,57 @@ def _path(node: _Node) -> str:
 
 
 def _attribute(owner: Any, value: Any) -> str:
-    """How `owner` holds `value`: ".name" (a slot or its __dict__), ".name['key']" (a
-    dict it holds), else ".?"."""
-    for cls in type(owner).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for slot in (slots,) if isinstance(slots, str) else slots:
-            if getattr(owner, slot, None) is value:
-                return f".{slot}"
-    attributes = getattr(owner, "__dict__", {})
-    for name, v in attributes.items():
+    """How `owner` holds `value`: ".name" (an instance attribute or slot),
+    ".name['key']" (a small dict it holds), else ".?". The names tried are its __dict__'s
+    where that is made already, else its slots and the names its class's code uses."""
+    made = [d for d in gc.get_referents(owner) if _instance_dict(owner, d)]
+    names = list(made[0]) if made else _names(type(owner))
+    held = [(n, _own(owner, n)) for n in names]
+    for name, v in held:
         if v is value:
             return f".{name}"
-    for name, v in attributes.items():
+    for name, v in held:
         if type(v) is dict and len(v) <= SMALL:
             for key, x in v.items():
                 if x is value:
-                    return f".{name}[{key!r}]"
+                    return f".{name}{_key(key)}"
     return ".?"
+
+
+def _names(cls: type) -> list[str]:
+    """The slots of cls's MRO and the names its functions use (self.paths = ... in
+    __init__ names "paths"), which its instance attributes are among."""
+    out: dict[str, None] = {}
+    for c in cls.__mro__:
+        slots = vars(c).get("__slots__", ())
+        out.update(dict.fromkeys((slots,) if isinstance(slots, str) else slots))
+        for v in vars(c).values():
+            code = getattr(v, "__code__", None)
+            todo = [code] if code is not None else []
+            while todo:
+                co = todo.pop()
+                out.update(dict.fromkeys(co.co_names))
+                todo += [k for k in co.co_consts if hasattr(k, "co_names")]
+    return [n for n in out if type(n) is str]
 
 
 def _measure(value: Any) -> tuple[str, str, int, int] | None:
     """(container, item, objects, bytes) of a large container of Python objects; None
-    for anything else."""
+    for anything else. Subclasses of list, tuple and dict are read through the base
+    types' own methods, never their overrides."""
     t = type(value)
-    if t is list or t is tuple or t is dict:
-        n = len(value)
+    base = list if isinstance(value, list) else tuple if isinstance(value, tuple) else \
+        dict if isinstance(value, dict) else None
+    if base is not None:
+        n = base.__len__(value)
         if n < MIN_OBJECTS:
             return None
-        if t is dict:
-            pairs = list(itertools.islice(value.items(), SAMPLE))
+        if base is dict:
+            pairs = list(itertools.islice(dict.items(value), SAMPLE))
             keys, values = [k for k, _ in pairs], [v for _, v in pairs]
             each = sum(_size(k) + _size(v) for k, v in pairs) / max(1, len(pairs))
-            return "dict", f"{_kind(keys)}:{_kind(values)}", n, _total(value, n, each)
-        items = [value[i * n // SAMPLE] for i in range(SAMPLE)]
+            return t.__name__, f"{_kind(keys)}:{_kind(values)}", n, _total(value, n, each)
+        items = [base.__getitem__(value, i * n // SAMPLE) for i in range(SAMPLE)]
         return t.__name__, _kind(items), n, _total(value, n, _mean_size(items))
     module = getattr(t, "__module__", "") or ""
     if module == "numpy" and t.__name__ == "ndarray" and value.dtype.hasobject:
@@ -172,15 +253,20 @@ def _measure(value: Any) -> tuple[str, str, int, int] | None:
 
 
 def _pandas(value: Any, kind: str) -> tuple[str, str, int, int] | None:
-    """A DataFrame's columns of Python objects, or such a Series."""
-    columns = ([value] if kind == "Series" and _objects(value.dtype) else
-               [] if kind == "Series" else
-               [value[c] for c, dtype in value.dtypes.items() if _objects(dtype)])
+    """A DataFrame's columns of Python objects (among its first COLUMNS), or such a
+    Series; read by position (a frame may repeat a column's name)."""
     rows = len(value)
-    n = rows * len(columns)
+    if kind == "Series":
+        picked = [0] if _objects(value.dtype) else []
+    else:
+        dtypes = value.dtypes
+        picked = [j for j in range(min(COLUMNS, len(dtypes))) if _objects(dtypes.iat[j])]
+    n = rows * len(picked)
     if n < MIN_OBJECTS or not rows:
         return None
-    items = [col.iat[i * rows // SAMPLE] for col in columns[:4] for i in range(SAMPLE)]
+    rows_at = [i * rows // SAMPLE for i in range(SAMPLE)]
+    items = ([value.iat[r] for r in rows_at] if kind == "Series" else
+             [value.iat[r, j] for j in picked[:4] for r in rows_at])
     return kind, _kind(items), n, int(n * (8 + _mean_size(items)))
 
 

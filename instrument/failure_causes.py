@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .cowscan import Container
 
 OOM, KILLED, CRASH, SHM, ERROR = "oom", "killed", "crash", "shm", "error"
+ALIVE, DYING, GONE = "alive", "dying", "gone"  # Liveness.state
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGILL, signal.SIGFPE,
                   signal.SIGTRAP, signal.SIGSYS}
 _DEATH = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]{1,200})\) "
@@ -216,13 +217,12 @@ def oom_watch() -> OomWatch:
 
 def copy_on_read(c: Container) -> str:
     """What a container of Python objects costs each worker, and what to hold it in."""
-    name = c.attribute.rsplit(".", 1)[-1].split("[", 1)[0] or "items"
-    array = (f"np.array([s.encode() for s in {name}]), decoded when read" if c.item == "str"
-             else f"np.array({name})")
+    from dataloader_exporter.core.copyonread import remedy  # for an OOM kill only
+
     return (f"copy-on-read: {c.attribute} is a {c.container} of {c.objects:,} {c.item} (about "
             f"{human_bytes(c.bytes)}) whose items' reference counts each worker writes as it "
-            f"reads them, copying their pages into its own memory; store it as a numpy array "
-            f"({array}), a pyarrow array or a tensor")
+            "reads them, copying their pages into its own memory; store it as "
+            f"{remedy(c.attribute, c.container, c.item)}")
 
 
 def fix(cause: str, seen: str, cfg: LoaderConfig, batch_bytes: int, local_ranks: int,
@@ -295,15 +295,21 @@ class Liveness:
             dying = False
         return f[0], f[19], dying
 
-    def alive(self, pid: int) -> bool:
-        """Running, and not on its way out: a worker the OOM killer just picked is not
-        alive, so that the kill count read beside it is not taken as seen before it."""
+    def state(self, pid: int) -> str:
+        """ALIVE, DYING (on its way out: exiting, or SIGKILL pending; a worker the OOM
+        killer just picked is not alive, so that the kill count read beside it is not taken
+        as seen before the kill, nor has it ended yet) or GONE."""
         if self._psutil is not None:
-            return self._alive_psutil(pid)
+            return ALIVE if self._alive_psutil(pid) else GONE
         now = self._state(pid)
-        if now is None or now[0] in (b"Z", b"X", b"x") or now[2]:
-            return False
-        return self._starts.setdefault(pid, now[1]) == now[1]
+        if now is None or now[0] in (b"Z", b"X", b"x"):
+            return GONE
+        if self._starts.setdefault(pid, now[1]) != now[1]:
+            return GONE  # its pid taken by another process
+        return DYING if now[2] else ALIVE
+
+    def alive(self, pid: int) -> bool:
+        return self.state(pid) == ALIVE
 
     def _alive_psutil(self, pid: int) -> bool:
         import psutil

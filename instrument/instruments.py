@@ -249,9 +249,10 @@ class Instruments:
         if not self.scanned:
             self.scanned = True
             try:
-                from .cowscan import scan
+                from .cowscan import scan, start_method
 
-                self.rec.dataset_objects = scan(loader.dataset)
+                if start_method(loader) == "fork":  # else no copy-on-read to name
+                    self.rec.dataset_objects = scan(loader.dataset)
             except Exception:  # looking must never stop training
                 log.debug("the dataset scan failed", exc_info=True)
         workers = self.rec.workers

@@ -181,8 +181,8 @@ def _proc_families(recs: list[LoaderRecorder], job: bool) -> Iterator[Family]:
         split: list[tuple[Any, tuple[str, ...], tuple[int | None, ...], float]] = [
             (time_f, cat.WORKER_STATES, (fig.running_ns, fig.waiting_ns, fig.blocked_ns), 1e9),
             (read_f, cat.READ_SOURCES, (fig.read_storage, fig.read_syscalls), 1.0),
-            (memory_f, cat.MEMORY_KINDS, (  # RSS only where PSS is not read
-                fig.rss_bytes if fig.pss_bytes is None else None, fig.pss_bytes,
+            (memory_f, cat.MEMORY_KINDS, (  # RSS only where PSS cannot be read
+                None if fig.pss_readable else fig.rss_bytes, fig.pss_bytes,
                 fig.swap_bytes, fig.available_bytes), 1.0)]
         for fam, names, values, scale in split:
             for label, v in zip(names, values, strict=True):

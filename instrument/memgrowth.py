@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import combinations
-from statistics import median
 
 GROWTH_WINDOW = 300.0  # seconds of a worker's readings its growth is read over
 GROWTH_SPAN = 15.0  # seconds of readings, at least, for a growth
@@ -32,6 +31,14 @@ SLOPES = 24  # readings, at most, whose pairwise slopes are taken (276 pairs)
 NOISE = 4 << 20  # bytes over the span: a few batches in hand, an allocator's arena
 _KEEP = 600  # readings kept per worker, at most (one a second over the window, and more)
 _ENDED = 16  # ended workers whose first and last reading are kept (for a failure's words)
+
+
+def _median(xs: list[float]) -> float:
+    """The median of xs, as statistics.median (which would load decimal and fractions into
+    every process that builds a loader)."""
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 def growth_rate(readings: deque[tuple[float, int]]) -> float | None:
@@ -43,44 +50,54 @@ def growth_rate(readings: deque[tuple[float, int]]) -> float | None:
         return None
     points = [readings[i * (n - 1) // (SLOPES - 1)] for i in range(SLOPES)] if n > SLOPES \
         else list(readings)
-    slope = median([(v2 - v1) / (t2 - t1) for (t1, v1), (t2, v2) in combinations(points, 2)
+    slope = _median([(v2 - v1) / (t2 - t1) for (t1, v1), (t2, v2) in combinations(points, 2)
                     if t2 > t1] or [0.0])
     return 0.0 if abs(slope) * span < NOISE else slope
 
 
 class PrivateGrowth:
     """The private memory of one loader's workers over time: its growth (bytes per
-    second, summed over the workers with one; None until one had), and the first and last
+    second, summed over the workers with one; None until one had), what the live workers
+    have grown since their first reading past their start, and the first and last such
     readings of the workers that ended lately."""
 
     def __init__(self) -> None:
         self.rate: float | None = None
         self._readings: dict[int, deque[tuple[float, int]]] = {}
-        self._first: dict[int, int] = {}
+        self._base: dict[int, int] = {}  # its first reading past its start
         self.ended: dict[int, tuple[int, int]] = {}  # pid -> (first, last) bytes
 
     def add(self, readings: dict[int, int], now: float) -> None:
         """A fresh reading of the live workers' private memory (pid -> bytes) at `now`
-        (seconds, monotonic); a worker missing from it keeps its earlier readings."""
+        (seconds, monotonic); a worker missing from it keeps its earlier readings. Readings
+        older than GROWTH_WINDOW are dropped while SLOPES newer remain: where they are far
+        apart (large workers are read less often), the last SLOPES give the growth."""
         old = now - GROWTH_WINDOW
         for pid, value in readings.items():
             kept = self._readings.get(pid)
             if kept is None:  # its start: not a reading of its growth
                 self._readings[pid] = deque(maxlen=_KEEP)
-                self._first[pid] = value
                 continue
+            self._base.setdefault(pid, value)
             kept.append((now, value))
-            while kept[0][0] < old:
+            while len(kept) > SLOPES and kept[0][0] < old:
                 kept.popleft()
         rates = [r for r in map(growth_rate, self._readings.values()) if r is not None]
         if rates:
             self.rate = sum(rates)
 
+    def grown(self) -> int:
+        """What the live workers have grown since their first reading past their start,
+        summed (a worker that shrank counts 0)."""
+        return sum(max(0, kept[-1][1] - self._base[pid]) for pid, kept in
+                   self._readings.items() if kept and pid in self._base)
+
     def end(self, pid: int) -> None:
-        """A worker ended: its readings dropped, its first and last kept a while."""
+        """A worker ended: its readings dropped, its first (past its start) and last kept
+        a while."""
         kept = self._readings.pop(pid, None)
-        first = self._first.pop(pid, None)
-        if kept is not None and first is not None:
-            self.ended[pid] = (first, kept[-1][1] if kept else first)
+        base = self._base.pop(pid, None)
+        if kept and base is not None:
+            self.ended[pid] = (base, kept[-1][1])
             while len(self.ended) > _ENDED:
                 del self.ended[next(iter(self.ended))]

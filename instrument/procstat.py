@@ -200,6 +200,7 @@ class PssReader:
         self._next = 0.0
         self.last: dict[int, tuple[int, int | None]] = {}  # pid -> (PSS, USS) at the last read
         self.fresh = False  # whether the last read() read the files (else its figures)
+        self.readable = False  # whether a PSS was ever read
 
     def read(self, pids: list[int], now: float) -> dict[int, tuple[int, int | None]]:
         """(PSS, USS) by pid: read now if due, else the last figures (of pids still
@@ -215,6 +216,7 @@ class PssReader:
                     clean, dirty = _field(text, b"Private_Clean"), _field(text, b"Private_Dirty")
                     got[pid] = (pss, None if clean is None or dirty is None else clean + dirty)
             self.last = got
+            self.readable = self.readable or bool(got)
             self._next = now + (time.thread_time() - t0) / self.budget
         return {pid: v for pid, v in self.last.items() if pid in pids}
 
@@ -235,10 +237,12 @@ class Figures:
     max_rss_bytes: int | None
     pss_bytes: int | None
     private_bytes: int | None  # USS, summed over the live workers
+    private_grown_bytes: int  # grown since each live worker's first reading (memgrowth.py)
     private_growth: float | None  # bytes per second, the latest measured (memgrowth.py)
     swap_bytes: int | None
     available_bytes: int | None  # the least memory room seen while batches flowed
     stolen_ns: int | None = None  # of waiting_ns, a virtual machine's steal (estimated)
+    pss_readable: bool = False  # a worker's PSS was read once: RSS is then not the figure
 
 
 _SUMMED = ("running_ns", "waiting_ns", "blocked_ns", "major_faults", "read_storage",
@@ -357,5 +361,6 @@ class ProcAccount:
             max_rss_bytes=self._peak_rss if seen else None,
             pss_bytes=None if None in pss else sum(p for p in pss if p is not None),
             private_bytes=None if None in uss else sum(u for u in uss if u is not None),
-            private_growth=self.growth.rate,
+            private_growth=self.growth.rate, private_grown_bytes=self.growth.grown(),
+            pss_readable=self._pss.readable,
             swap_bytes=None if None in swaps else sum(s for s in swaps if s is not None))

@@ -34,7 +34,9 @@ from dataloader_exporter.core.facts.cgroup import cgroup_memory_available
 from dataloader_exporter.core.facts.memory import host_memory
 
 from .failure_causes import (
+    ALIVE,
     CRASH,
+    DYING,
     Exit,
     Liveness,
     cause_of_exit,
@@ -245,9 +247,12 @@ class WorkerTracker:
         pids = sorted(known - self._done)
         reading = oom_watch().read() if pids else None  # a file read: only for workers
         for pid in pids:
-            if self._alive(pid):
+            state = self._liveness.state(pid)
+            if state == ALIVE:
                 alive.append(pid)
                 self._seen[pid] = reading
+                continue
+            if state == DYING and pid not in named:  # not alive, not ended: read again
                 continue
             how = exit_of(pid) or (exits(pid) if exits is not None else None)
             if how is None and named.get(pid) is not None:  # reaped: torch's word for it
@@ -326,9 +331,6 @@ class WorkerTracker:
         """A worker that ended lately: its first and last private memory read, if read."""
         with self._lock:
             return self.proc.growth.ended.get(pid)
-
-    def _alive(self, pid: int) -> bool:
-        return self._liveness.alive(pid)
 
     def _current(self) -> _Totals:
         """Folded totals plus the live generations' blocks (lock held)."""

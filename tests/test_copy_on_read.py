@@ -4,9 +4,11 @@ pool (instrument/cowscan.py), and how fast the workers' private memory grows
 
 from __future__ import annotations
 
+import collections
 import gc
 import sys
 import time
+import weakref
 from collections import deque
 
 import numpy as np
@@ -30,10 +32,13 @@ MiB = 1 << 20
 
 
 class Paths(Dataset):  # type: ignore[type-arg]
-    def __init__(self, paths: object, **more: object) -> None:
+    """Its attributes set as datasets set them, by name in __init__ (`more`: by setattr)."""
+
+    def __init__(self, paths: object, index: object = None, **more: object) -> None:
         self.paths = paths
         self.label = 3
         self.tiny = [1, 2, 3]
+        self.index = index
         for k, v in more.items():
             setattr(self, k, v)
 
@@ -105,21 +110,72 @@ def test_wrapped_datasets_are_looked_into_and_named_by_their_path() -> None:
 
 def test_only_the_largest_few_are_kept_largest_first() -> None:
     small, big = paths(), [p * 3 for p in paths()]
-    found = scan(Paths(small, a=list(small), b=big, c=tuple(small), d=dict.fromkeys(small)))
+    found = scan(Paths(small, index=big, c=tuple(small), d=dict.fromkeys(small)))
     assert len(found) == cowscan.MOST
-    assert found[0].attribute == "dataset.b"
+    assert found[0].attribute == "dataset.index"
     assert [c.bytes for c in found] == sorted((c.bytes for c in found), reverse=True)
+
+
+def made(obj: object) -> bool:
+    """Whether obj's __dict__ is made: gc.get_referents sees the attribute values
+    themselves until it is, then the dict."""
+    return any(type(r) is dict and "paths" in r for r in gc.get_referents(obj))
 
 
 def test_looking_leaves_the_datasets_attributes_as_they_were() -> None:
     """In CPython 3.11 an instance's __dict__, once made, slows every later attribute read
-    of it: a dataset with nothing to name is looked at without it (gc.get_referents sees
-    the attribute values themselves until it is made; its control makes it)."""
-    looked, control = Paths(np.zeros(3)), Paths(np.zeros(3))
-    assert scan(looked) == ()
+    of it: a dataset is looked at and its containers named without it (its control makes
+    it); an attribute set by a name its class's code does not use reads `.?`."""
+    plain, named, dynamic, control = (Paths(np.zeros(3)), Paths(paths()),
+                                      Paths([0], extra=paths()), Paths(np.zeros(3)))
+    assert scan(plain) == ()
+    assert only(scan(named)).attribute == "dataset.paths"
+    assert only(scan(dynamic)).attribute == "dataset.?"
     vars(control)
-    assert not any(type(r) is dict and "paths" in r for r in gc.get_referents(looked))
-    assert any(type(r) is dict and "paths" in r for r in gc.get_referents(control))
+    assert not any(map(made, (plain, named, dynamic)))
+    assert made(control)
+
+
+class Lazy(Dataset):  # type: ignore[type-arg]
+    """A dataset whose property loads data, and whose __getattr__ would recurse."""
+
+    def __init__(self) -> None:
+        self.config = {"data": 1}  # a dict whose first key a property of the class names
+        self.paths = paths()
+        self.ref = weakref.proxy(Paths([0]))  # dead at once: reading it raises
+
+    @property
+    def data(self) -> object:
+        raise AssertionError("the scan ran the dataset's code")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_no_code_of_the_dataset_runs_and_what_cannot_be_read_is_passed_over() -> None:
+    assert only(scan(Lazy())).attribute == "dataset.paths"
+
+
+def test_the_dataset_itself_may_be_the_container() -> None:
+    c = only(scan(paths()))
+    assert (c.attribute, c.container, c.item) == ("dataset", "list", "str")
+    assert scan(list(range(MIN_OBJECTS - 1))) == ()  # not enumerated either: no time spent
+
+
+def test_subclasses_are_read_through_the_base_types_methods() -> None:
+    class Odd(list):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            raise AssertionError("its own __len__ ran")
+
+    held = collections.defaultdict(int, {p: 1 for p in paths()})
+    assert only(scan(Paths(Odd(paths())))).container == "Odd"
+    c = only(scan(Paths(held)))
+    assert (c.container, c.item) == ("defaultdict", "str:int")
+
+
+def test_long_or_odd_dict_keys_do_not_reach_the_path() -> None:
+    found = scan(Paths([0], index={"/data/train/x.jpg": paths()}))
+    assert only(found).attribute == "dataset.index[…]"
 
 
 def test_the_scan_is_bounded_in_time_and_cheap_without_containers() -> None:
@@ -166,7 +222,7 @@ def test_a_pool_sums_its_workers_and_keeps_the_latest_after_they_end() -> None:
     g.end(1)
     g.end(2)
     assert g.rate == pytest.approx((2 + 3) / 3 * MiB, rel=0.01)  # kept: the latest measured
-    assert g.ended == {1: (50 * MiB, 68 * MiB), 2: (60 * MiB, 87 * MiB)}
+    assert g.ended == {1: (52 * MiB, 68 * MiB), 2: (63 * MiB, 87 * MiB)}  # past their start
 
 
 def test_a_workers_first_reading_its_start_is_not_growth() -> None:

@@ -171,6 +171,9 @@ def test_the_copies_workers_will_make_count_against_memory_before_they_are_paid(
     assert decision is not None and decision.setting.workers == 2 + 3
     assert "copied dataset.paths (copy-on-read)" in tuner.memory_note
     assert "num_workers held at 5" in tuner.memory_note
+    roomy = Tuner(Setting(2, 2))  # the copies to come fit: nothing held back, nothing said
+    roomy.observe(copying, Budget(1, 100 * GiB, 16 * GiB, 2.0))
+    assert roomy.memory_note == ""
 
 
 def test_a_trial_within_the_noise_is_measured_again_before_it_is_judged() -> None:

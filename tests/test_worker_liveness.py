@@ -276,6 +276,15 @@ def test_liveness_tells_a_reused_pid_and_a_zombie_from_the_worker_first_seen(tmp
     assert live.alive(7)  # a new worker with that pid is seen afresh
     (tmp_path / "7" / "stat").unlink()
     assert not live.alive(7) and not live.alive(8)
+    # On its way out: exiting (PF_EXITING in its flags, field 9) or SIGKILL pending (the
+    # signal field, 31): dying, neither alive nor gone, until it is a zombie.
+    dying = Liveness(str(tmp_path))
+    for flags, signals in (("4", "0"), ("0", str(1 << 8)), ("0", "0")):
+        fields = ["S", "0", "0", "0", "0", "0", flags, *["0"] * 12, "1000", *["0"] * 8,
+                  signals, "0"]
+        (tmp_path / "7" / "stat").write_text(f"7 (pt worker) 1) {' '.join(fields)}\n")
+        want = "alive" if (flags, signals) == ("0", "0") else "dying"
+        assert dying.state(7) == want, (flags, signals)
     # And the real thing: this process is alive, a child that exited is not.
     real = Liveness()
     assert real.alive(os.getpid())

@@ -247,14 +247,11 @@ class Tuner:
             free = self.budget.cores - n
             ran = "" if epoch.running is None else f"workers ran {epoch.running:.0%} of the time, "
             why = f"{ran}loop waited {epoch.stall:.0%}, {free} of {self.budget.cores} cores free"
-        asked, held = want, set()
-        while want > n:
-            why_not = self._room_for(epoch, want, epoch.setting.prefetch)
-            if why_not is None:
-                break
-            held.add(why_not)
-            want -= 1
-        if "memory" in held and epoch.worker_to_come and epoch.worker_bytes is not None:
+        asked = want
+        want = self._fitting(epoch, want, n)
+        if epoch.worker_to_come and epoch.worker_bytes is not None and want < self._fitting(
+                replace(epoch, worker_bytes=epoch.worker_bytes - epoch.worker_to_come,
+                        worker_to_come=0), asked, n):  # the copies to come held it back
             self.memory_note = (
                 f"num_workers held at {max(n, want)}, not {asked}: each worker will hold about "
                 f"{epoch.worker_bytes >> 20} MiB once it has copied {epoch.copied} "
@@ -264,6 +261,12 @@ class Tuner:
             return None
         return Decision(replace(epoch.setting, workers=want), "num_workers", n, want,
                         "starved", why)
+
+    def _fitting(self, epoch: Epoch, want: int, n: int) -> int:
+        """The most workers, from `want` down to n, the budget holds (_room_for)."""
+        while want > n and self._room_for(epoch, want, epoch.setting.prefetch) is not None:
+            want -= 1
+        return want
 
     def _shrink(self, epoch: Epoch) -> Decision | None:
         n = epoch.setting.workers

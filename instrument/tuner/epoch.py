@@ -147,7 +147,7 @@ def epoch_since(rec: LoaderRecorder, mark: Mark, name: str, flush: bool = True,
                   rec.batch_bytes if rec.batch_bytes >= 0 else None,
                   burstiness(counts, bounds), "samples" if known else "batches",
                   _load(rec, mark, batches, wall, step_s, spent), to_come,
-                  " and ".join(c.attribute for c in rec.dataset_objects))
+                  rec.dataset_objects[0].attribute if rec.dataset_objects else "")
     log.debug("dataloader %r: %d batches in %.2f s, to be judged: %s", log_name(name),
               batches, wall, epoch)
     return epoch
@@ -251,13 +251,15 @@ def _worker_bytes(fig: Figures | None, active: int) -> int | None:
 
 
 def _to_come(fig: Figures | None, active: int, held: tuple[Container, ...]) -> int:
-    """Memory each live worker will still take copying the dataset's containers of Python
-    objects as it reads them (cowscan.py): their size less its private memory now (what
-    it has copied, and its own). 0 where the memory one worker takes is not its PSS: an
-    RSS, the main process's above all, counts the containers already."""
-    if fig is None or not active or not fig.pss_bytes or fig.private_bytes is None:
+    """Memory each live worker will still take copying the dataset's largest container
+    of Python objects as it reads it (cowscan.py), while their private memory is seen to
+    grow (memgrowth.py): its size less what a worker has grown since its start. 0 without
+    such growth, and where the memory one worker takes is not its PSS (an RSS, the main
+    process's above all, counts the container already)."""
+    if (fig is None or not active or not fig.pss_bytes or not held
+            or not fig.private_growth or fig.private_growth <= 0):
         return 0
-    return max(0, sum(c.bytes for c in held) - fig.private_bytes // active)
+    return max(0, held[0].bytes - fig.private_grown_bytes // active)
 
 
 def _own_rss() -> int | None:
