@@ -205,9 +205,14 @@ class Preflight:
                        "" if ranks == 1 else "s")
         elif (cfg.num_workers and not said("too-many-workers") and
               advisor.too_many_workers(cfg.num_workers, cpu, ranks)):
+            # No smaller count: workers that wait on storage need no core each, and which
+            # these are is measured only once they run (the doctor, num_workers=auto).
             self._warn("too-many-workers", "num_workers=%d x %d local rank%s exceeds the %s "
-                       "this process may use; workers will fight for CPU with each other "
-                       "and the training loop: try num_workers=%d",
+                       "this process may use: workers that run on a CPU will fight for it "
+                       "with each other and the training loop (%d of them get a core each), "
+                       "while workers that wait on storage or the network need none; which "
+                       "these are is not known before they run (`dataloader-exporter doctor` "
+                       "measures it, num_workers=auto sets the count from it)",
                        cfg.num_workers, ranks, "" if ranks == 1 else "s", cpu.describe(),
                        advisor.worker_cap(cpu, ranks, self._cuda()))
         if epoch >= 2 and cfg.num_workers and cfg.persistent_workers is False:

@@ -117,6 +117,9 @@ def test_too_many_workers_counts_every_local_rank_against_the_quota(
     assert bool(found) == warns
     if warns:
         assert f"num_workers={workers} x {ranks} local rank" in found[0]
+        # Before the workers run nothing says they are CPU-bound: no smaller count is
+        # advised (workers blocked on storage may need many more than the cores).
+        assert "try num_workers" not in found[0] and "not known before they run" in found[0]
 
 
 def test_with_a_gpu_the_loop_keeps_no_core_of_its_own() -> None:
