@@ -105,6 +105,7 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1,
     stall = s.stall_share
     times = rank_times(s)
     waiting = job.waiting.get(s.rank) if job else None
+    room = why.memory_room(s, machine, reserve=0.0)  # left before the OOM killer
     d = Diagnosis(s.loader, s.rank, verdict(stall, s.batches), {
         "stall_share": stall, "batches_per_second": s.batches_per_second,
         "samples_per_second": s.samples_per_second, "fetch_p50_seconds": s.fetch_p50,
@@ -115,7 +116,7 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1,
         "window_seconds": s.seconds, "batches": s.batches, "samples": s.samples,
         "local_ranks": float(local_ranks),
         "worker_private_growth_bytes_per_second": s.workers.private_growth,
-        "workers_memory_left_seconds": memgrowth.seconds_left(s, _room_left(s, machine)),
+        "workers_memory_left_seconds": memgrowth.seconds_left(s, room),
         "fetch_per_batch_seconds": times.fetch if times else None,
         "step_per_batch_seconds": times.step if times else None,
         "waiting_for_other_ranks_seconds_per_batch": waiting})
@@ -124,7 +125,7 @@ def diagnose(s: LoaderSignals, machine: Machine, local_ranks: int = 1,
     d.workers = why.view(s, machine, d.verdict in STARVED)
     if d.workers.bottleneck == why.UNKNOWN:
         d.unknowns.append(why.unknown(s.rank, cfg.workers))
-    _findings(d, s, cfg, machine, local_ranks)
+    _findings(d, s, cfg, machine, local_ranks, room)
     if job and job.stragglers:
         if s.rank not in job.straggler_ranks:
             starving = d.verdict == "input-bound"
@@ -178,11 +179,6 @@ def _shm_total(s: LoaderSignals, machine: Machine) -> float | None:
     return float(trainer) if trainer else machine.shm_size
 
 
-def _room_left(s: LoaderSignals, machine: Machine) -> tuple[float, str] | None:
-    """The memory left before the OOM killer (no reserve kept), and where it was read."""
-    return why.memory_room(s, machine, reserve=0.0)
-
-
 def _abrupt(s: LoaderSignals) -> str:
     """An ended run whose last snapshot has no normal exit: what that means."""
     workers = (f"; {s.workers_active:g} workers were alive at its last snapshot"
@@ -196,7 +192,8 @@ def _abrupt(s: LoaderSignals) -> str:
 
 
 def _findings(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
-              local_ranks: int) -> None:
+              local_ranks: int, room: tuple[float, str] | None) -> None:
+    """`room`: the memory left before the OOM killer (why.memory_room, no reserve)."""
     if (s.first_batch_mean is not None and s.first_batch_mean >= FIRST_BATCH_MIN and
             s.first_batch_mean > FIRST_BATCH_FACTOR * (s.median_wait or 0.0)):
         ratio = s.first_batch_mean / s.median_wait if s.median_wait else math.inf
@@ -218,7 +215,7 @@ def _findings(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
     if d.workers.bottleneck == why.MEMORY and d.workers.swapping:
         d.findings.append(Finding("workers-swap", d.workers.why))
     if memgrowth.seen(s):
-        d.findings.append(Finding(memgrowth.KIND, memgrowth.message(s, _room_left(s, machine))))
+        d.findings.append(Finding(memgrowth.KIND, memgrowth.message(s, room)))
     if s.batch_bytes and in_flight is not None:
         if shm_total is not None and in_flight > shm_total:
             d.findings.append(Finding("shm-risk", (

@@ -249,14 +249,13 @@ def fix(cause: str, seen: str, cfg: LoaderConfig, batch_bytes: int, local_ranks:
     if cause == OOM:
         each = (f"; each worker holds about {human_bytes(rss_per_worker)} resident"
                 if rss_per_worker else "")
-        grew = grown is not None and grown[1] - grown[0] >= GREW
-        if grown is not None and grew:
+        if grown is not None and grown[1] - grown[0] >= GREW:
             each += (f"; its private memory had grown from {human_bytes(grown[0])} to "
                      f"{human_bytes(grown[1])}")
-        if grew and held:
-            return (f"a worker was killed by the kernel's OOM killer ({seen}){each}. "
-                    f"{copy_on_read(held[0])}; or use fewer workers (num_workers={workers} "
-                    "now), or raise the container's memory limit")
+            if held:
+                return (f"a worker was killed by the kernel's OOM killer ({seen}){each}. "
+                        f"{copy_on_read(held[0])}; or use fewer workers (num_workers="
+                        f"{workers} now), or raise the container's memory limit")
         return (f"a worker was killed by the kernel's OOM killer ({seen}){each}. Use fewer "
                 f"workers (num_workers={workers} now) or a lower prefetch_factor, or raise "
                 "the container's memory limit")

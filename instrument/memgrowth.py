@@ -13,10 +13,9 @@ with them) and a step now and then do not read as growth; its first reading, tak
 starts (libraries loaded, its first batches built), is left out; and a slope that moves
 less than NOISE over the readings' span is flat (0). A worker read over less than
 GROWTH_SPAN seconds, or fewer than GROWTH_READINGS times besides its first, has no growth
-yet. The pool's
-growth is the sum over its workers that have one; once measured it is kept (the latest
-measured) until a newer one replaces it, so that it is still known after the pool ends,
-and above all after a worker was killed for it.
+yet. The pool's growth is the sum over its workers that have one; once measured it is kept
+(the latest measured) until a newer one replaces it, so that it is still known after the
+pool ends, and above all after a worker was killed for it.
 """
 
 from __future__ import annotations

@@ -236,7 +236,6 @@ class Figures:
     rss_bytes: int | None  # None: no worker read from /proc (figures from their own)
     max_rss_bytes: int | None
     pss_bytes: int | None
-    private_bytes: int | None  # USS, summed over the live workers
     private_grown_bytes: int  # grown since each live worker's first reading (memgrowth.py)
     private_growth: float | None  # bytes per second, the latest measured (memgrowth.py)
     swap_bytes: int | None
@@ -345,8 +344,7 @@ class ProcAccount:
             return None
         live = list(self.live.values())
         swaps = [s.swap_bytes for s in live]
-        memory = [self._pss_now.get(pid, (None, None)) for pid in self.live]
-        pss, uss = [m[0] for m in memory], [m[1] for m in memory]
+        pss = [self._pss_now.get(pid, (None, None))[0] for pid in self.live]
         sums = dict(self._sums) if self._intervals or self._own else dict.fromkeys(_SUMMED)
         if not self._intervals:  # the workers' own figures hold no reads or faults
             sums.update(dict.fromkeys(_SUMMED[3:]))
@@ -360,7 +358,6 @@ class ProcAccount:
             rss_bytes=sum(s.rss_bytes for s in live) if seen else None,
             max_rss_bytes=self._peak_rss if seen else None,
             pss_bytes=None if None in pss else sum(p for p in pss if p is not None),
-            private_bytes=None if None in uss else sum(u for u in uss if u is not None),
             private_growth=self.growth.rate, private_grown_bytes=self.growth.grown(),
             pss_readable=self._pss.readable,
             swap_bytes=None if None in swaps else sum(s for s in swaps if s is not None))
