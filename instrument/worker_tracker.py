@@ -36,7 +36,7 @@ from dataloader_exporter.core.facts.memory import host_memory
 from .failure_causes import (
     ALIVE,
     CRASH,
-    DYING,
+    GONE,
     Exit,
     Liveness,
     cause_of_exit,
@@ -248,11 +248,10 @@ class WorkerTracker:
         reading = oom_watch().read() if pids else None  # a file read: only for workers
         for pid in pids:
             state = self._liveness.state(pid)
-            if state == ALIVE:
+            if state != GONE:  # alive, or on its way out: not ended yet
                 alive.append(pid)
-                self._seen[pid] = reading
-                continue
-            if state == DYING and pid not in named:  # not alive, not ended: read again
+                if state == ALIVE:  # a kill count read beside a dying worker is not
+                    self._seen[pid] = reading  # one seen before its kill
                 continue
             how = exit_of(pid) or (exits(pid) if exits is not None else None)
             if how is None and named.get(pid) is not None:  # reaped: torch's word for it
