@@ -163,9 +163,10 @@ TRANSFER_BYTES = _m(
 # The loader tuner (opt-in, core/tuner/rules.py): present only for a loader being tuned.
 TUNER_CHANGES = _m(
     "dataloader_tuner_changes_total", COUNTER,
-    "Changes the loader tuner made to a setting (num_workers, prefetch_factor), by reason "
-    "(starved, cpu-contention, cores, memory, bursty, reverted); each pair the tuner can "
-    "make for the settings it tunes starts at 0.",
+    "Changes the loader tuner made to a setting (num_workers, prefetch_factor, "
+    "persistent_workers), by reason (starved, cpu-contention, cores, memory, bursty, "
+    "reverted, epoch-start, dataset-changed); each pair the tuner can make for the settings "
+    "it tunes starts at 0.",
     "", (*LOADER_LABELS, "setting", "reason"), TRAINER)
 TUNER_STABLE = _m(
     "dataloader_tuner_stable", GAUGE,

@@ -2,8 +2,11 @@
 
     DATALOADER_EXPORTER_SETTINGS="train.num_workers=8,train.prefetch_factor=4,*.persistent_workers=true"
 
-``auto`` (num_workers and prefetch_factor only) hands the setting to the loader tuner
-(core/tuner/rules.py): it starts from the loader's own value and changes it between epochs.
+``auto`` (num_workers, prefetch_factor and persistent_workers) hands the setting to the
+loader tuner (core/tuner/rules.py): it starts from the loader's own value and changes it
+as it measures; persistent_workers=auto keeps a pool across epochs where its start stalls
+them (core/tuner/persist.py). persistent_workers=true beside num_workers=auto on a loader
+built without workers makes the tuner's pools persistent.
 
 Each item is ``LOADER.SETTING=VALUE``: a loader name (the ``loader`` label) or ``*`` for
 every loader, one of SETTINGS, and its value. A named item wins over a ``*`` item for the
@@ -39,7 +42,8 @@ SETTINGS: dict[str, tuple[type, int]] = {
 # worker processes is more than the hardware threads of any one host today (two 192-core
 # sockets give 768), and 1024 batches queued per worker is 512 times torch's default of 2.
 MAXIMA: dict[str, int] = {"num_workers": 1024, "prefetch_factor": 1024}
-TUNABLE = ("num_workers", "prefetch_factor")  # the settings that take AUTO
+TUNABLE = ("num_workers", "prefetch_factor", "persistent_workers")  # the settings that take AUTO
+TUNED_BY_DEFAULT = ("num_workers", "prefetch_factor")  # instrument.DataLoader's tune=True
 NEEDS_WORKERS = ("prefetch_factor", "persistent_workers")  # torch refuses them without workers
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]+$")  # what a loader label may be (names have no '=' or ',')
 _WHOLE = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() also reads '\u0663' and '\uff18'
@@ -84,7 +88,7 @@ def _value(kind: type, least: int, most: int | None, raw: str, auto: bool = Fals
     if kind is bool:
         switch = parse_bool(text)
         if switch is None:
-            raise ValueError("expected true or false")
+            raise ValueError("expected true or false" + (" or auto" if auto else ""))
         return switch
     if not _WHOLE.fullmatch(text):
         raise ValueError("expected a whole number (digits 0-9)" + (" or auto" if auto else ""))

@@ -6,7 +6,9 @@ labelled with the settings it tunes; a loader without that series is not tuned. 
 changes are counters by setting and reason, each starting at 0. The settings it runs with
 now are dataloader_info's (the trainer relabels it at each iter(), after the tuner's
 change); without that series they are unknown and said so. While the tuner tries, the
-doctor holds its own advice on num_workers and prefetch_factor (doctor._recommend).
+doctor holds its own advice on the settings it tunes (doctor._recommend); once the tuner
+has let a kept pool go because the training changes the dataset between epochs, the
+doctor advises no persistent_workers either.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dataloader_exporter.core import catalogue as cat
-from dataloader_exporter.core.settings import TUNABLE
+from dataloader_exporter.core.settings import TUNABLE, TUNED_BY_DEFAULT
 from dataloader_exporter.core.tuner.rules import REASONS
 
 Series = Mapping[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -29,18 +31,18 @@ class TunerSignals:
 
     stable: bool
     changes: dict[tuple[str, str], float] = field(default_factory=dict)
-    settings: tuple[str, ...] = TUNABLE
+    settings: tuple[str, ...] = TUNED_BY_DEFAULT
 
 
 def _tuned(text: str | None) -> tuple[str, ...]:
     named = tuple(s for s in TUNABLE if s in (text or "").split(","))
-    return named or TUNABLE
+    return named or TUNED_BY_DEFAULT
 
 
 def read_tuner(latest: Series, lr: dict[str, str]) -> TunerSignals | None:
     """One (loader, rank)'s tuner; None when the loader is not tuned (no stable gauge)."""
     stable: float | None = None
-    settings: tuple[str, ...] = TUNABLE
+    settings: tuple[str, ...] = TUNED_BY_DEFAULT
     changes: dict[tuple[str, str], float] = {}
     for (name, labels), v in latest.items():
         d = dict(labels)
@@ -69,7 +71,15 @@ class TunerView:
     changes: float
     by_reason: list[dict[str, object]] = field(default_factory=list)  # setting, reason, count
     held: list[str] = field(default_factory=list)
-    settings: tuple[str, ...] = TUNABLE  # the settings the tuner sets
+    settings: tuple[str, ...] = TUNED_BY_DEFAULT  # the settings the tuner sets
+    persistent: str | None = None  # dataloader_info's persistent_workers, where tuned
+
+    @property
+    def let_go(self) -> bool:
+        """Whether the tuner let a kept pool go because the training changed the dataset
+        between epochs (kept workers would not see it): no advice to keep them then."""
+        return any(c["setting"] == "persistent_workers" and c["reason"] == "dataset-changed"
+                   for c in self.by_reason)
 
     @property
     def trying(self) -> bool:
@@ -91,7 +101,9 @@ def view(t: TunerSignals | None, config: Mapping[str, str]) -> TunerView | None:
     by = [{"setting": s, "reason": r, "count": n} for (s, r), n in sorted(t.changes.items())]
     return TunerView(state, _int(config.get("num_workers")),
                      _int(config.get("prefetch_factor")), sum(t.changes.values()), by,
-                     list(t.settings) if state == TRYING else [], t.settings)
+                     list(t.settings) if state == TRYING else [], t.settings,
+                     config.get("persistent_workers") if "persistent_workers" in t.settings
+                     else None)
 
 
 def _settings(v: TunerView) -> str:
@@ -100,7 +112,8 @@ def _settings(v: TunerView) -> str:
     if v.num_workers == 0:
         return "num_workers=0 (no prefetch_factor without workers)"
     prefetch = "unknown" if v.prefetch_factor is None else str(v.prefetch_factor)
-    return f"num_workers={v.num_workers}, prefetch_factor={prefetch}"
+    keep = f", persistent_workers={v.persistent}" if v.persistent else ""
+    return f"num_workers={v.num_workers}, prefetch_factor={prefetch}{keep}"
 
 
 def _changes(v: TunerView, when: str = "") -> str:

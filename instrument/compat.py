@@ -1,6 +1,7 @@
 """Every use of a private torch attribute lives here, via getattr(..., None).
 
-Read-only, but for the tuner's rebuild of a persistent pool (shut_down). Checked against
+Read-only, but for the tuner's rebuild of a persistent pool (shut_down) and the seed it
+gives a pool it keeps (resume_with_seed, reseed_worker). Checked against
 torch 2.13.0 (and the 2.x layout since 1.7): a multi-process DataLoader iterator keeps
 its worker processes in ``_workers``, a list of multiprocessing.Process objects, and a
 DataLoader with persistent workers keeps its iterator in ``_iterator``; the worker Process
@@ -96,3 +97,71 @@ def give_index_sampler(iterator: Any, sampler: Any) -> None:
     epoch's indices from (``_index_sampler``, torch 2.13, since 1.x)."""
     if hasattr(iterator, "_index_sampler"):
         iterator._index_sampler = sampler
+
+
+def draw_base_seed(loader: Any) -> int:
+    """A base seed drawn as torch 2.13's new iterator draws its ``_base_seed`` (since 1.x):
+    one int64 from the loader's generator, or torch's global RNG without one."""
+    import torch
+
+    return int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+
+
+class WorkerSeed:
+    """What torch's ``_ResumeIteration`` carries to a kept pool's workers in its ``seed``
+    field (unused for a map-style dataset): unpickled in each worker, before the epoch's
+    first index, it seeds the worker as torch seeds a new one (reseed_worker) and becomes
+    None, the seed torch itself sends."""
+
+    def __init__(self, base_seed: int, init_fn: Any = None) -> None:
+        self.base_seed = base_seed
+        self.init_fn = init_fn
+
+    def __reduce__(self) -> tuple[Any, tuple[int, Any]]:
+        return reseed_worker, (self.base_seed, self.init_fn)
+
+
+def reseed_worker(base_seed: int, init_fn: Any = None) -> None:
+    """In a worker: its RNGs seeded as torch 2.13's _worker_loop seeds a new worker
+    (random and torch from base_seed + id, numpy from _generate_state), its WorkerInfo's
+    seed set to match, then init_fn(id) as torch calls a worker_init_fn. Returns None."""
+    import random
+
+    import torch
+    from torch.utils.data._utils import worker
+
+    info = worker._worker_info
+    if info is None:
+        return None
+    seed = base_seed + info.id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if getattr(worker, "HAS_NUMPY", False):
+        import numpy as np
+
+        np.random.seed(worker._generate_state(base_seed, info.id))
+    object.__setattr__(info, "seed", seed)  # a frozen dataclass, as torch made it
+    if init_fn is not None:
+        init_fn(info.id)
+    return None
+
+
+def can_seed(iterator: Any) -> bool:
+    """Whether resume_with_seed can hand a seed to this persistent iterator's workers:
+    torch 2.13's _reset() sends ``self._shared_seed`` with its ``_ResumeIteration``, None
+    for a map-style dataset (since 1.11)."""
+    now = getattr(iterator, "_shared_seed", False)
+    return (now is None or isinstance(now, WorkerSeed)) and callable(
+        getattr(iterator, "_reset", None))
+
+
+def resume_with_seed(iterator: Any, seed: WorkerSeed) -> None:
+    """Makes the next _reset() of a persistent iterator send `seed` to its workers (see
+    can_seed)."""
+    iterator._shared_seed = seed
+
+
+def clear_seed(iterator: Any) -> None:
+    """The iterator's ``_shared_seed`` back to None once its workers have theirs."""
+    if isinstance(getattr(iterator, "_shared_seed", None), WorkerSeed):
+        iterator._shared_seed = None

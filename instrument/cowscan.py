@@ -87,10 +87,10 @@ def scan(dataset: Any, budget: float = SCAN_BUDGET) -> tuple[Container, ...]:
     while todo and perf_counter() < deadline:
         node = todo.pop(0)
         try:
-            members = _members(node.obj)
+            held = members(node.obj)
         except Exception:
             continue
-        for value, key in members:
+        for value, key in held:
             if perf_counter() >= deadline:
                 break
             if id(value) in seen:
@@ -123,7 +123,7 @@ def start_method(loader: Any) -> str | None:
     return method or multiprocessing.get_all_start_methods()[0]
 
 
-def _members(obj: Any) -> list[tuple[Any, str | None]]:
+def members(obj: Any) -> list[tuple[Any, str | None]]:
     """An object's attribute values (key None), or a small list's, tuple's or dict's
     items (with their key), without making an instance's __dict__."""
     t = type(obj)
@@ -182,11 +182,11 @@ _MISSING = object()
 def _path(node: _Node) -> str:
     if node.parent is None:
         return "dataset"
-    key = node.key if node.key is not None else _attribute(node.parent.obj, node.obj)
+    key = node.key if node.key is not None else attribute_of(node.parent.obj, node.obj)
     return _path(node.parent) + key
 
 
-def _attribute(owner: Any, value: Any) -> str:
+def attribute_of(owner: Any, value: Any) -> str:
     """How `owner` holds `value`: ".name" (an instance attribute or slot),
     ".name['key']" (a small dict it holds), else ".?". The names tried are its __dict__'s
     where that is made already, else its slots and the names its class's code uses."""

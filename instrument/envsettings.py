@@ -26,6 +26,7 @@ from dataloader_exporter.core.settings import (
     NEEDS_WORKERS,
     SETTINGS,
     TUNABLE,
+    TUNED_BY_DEFAULT,
     Setting,
     for_loader,
     log_name,
@@ -52,16 +53,17 @@ class Pending:
 
 
 def knobs_of(tune: bool | tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """instrument.DataLoader's ``tune=``: True for both settings, or their names."""
+    """instrument.DataLoader's ``tune=``: True for num_workers and prefetch_factor, or the
+    names of those it tunes (persistent_workers only when named: opt-in)."""
     if tune is True:
-        return TUNABLE
+        return TUNED_BY_DEFAULT
     if tune is False:
         return ()
     names = tuple(tune)
     unknown = [n for n in names if n not in TUNABLE]
     if unknown or isinstance(tune, str):
-        raise ValueError(f"tune: expected True, False or names among num_workers and "
-                         f"prefetch_factor, got {tune!r}")
+        raise ValueError(f"tune: expected True, False or names among {', '.join(TUNABLE)}, "
+                         f"got {tune!r}")
     return names
 
 
@@ -80,6 +82,12 @@ def built() -> list[str]:
 def auto_for(name: str) -> tuple[str, ...]:
     """The settings $DATALOADER_EXPORTER_SETTINGS gives the tuner for this loader name."""
     return tuned(from_env(), name)
+
+
+def persistent_wish(name: str) -> bool:
+    """Whether $DATALOADER_EXPORTER_SETTINGS gives this loader persistent_workers=true
+    (which apply() leaves for the tuner where num_workers=auto and it has no workers yet)."""
+    return for_loader(from_env(), name).get("persistent_workers") is True
 
 
 def unmatched() -> set[str]:
@@ -105,7 +113,9 @@ def apply(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     settings `function` (its __init__) takes no way to pass.
 
     A setting that needs workers (prefetch_factor, persistent_workers) is not applied to
-    a loader that has none, with a warning, rather than failing a loader built mid-run;
+    a loader that has none, with a warning, rather than failing a loader built mid-run
+    (persistent_workers=true beside num_workers=auto is the tuner's to apply, to the
+    pools it starts: tuner/keep.py);
     num_workers=0 drops the loader's own prefetch_factor and persistent_workers, which
     torch refuses without workers. only: apply just these settings (the rest were).
     A setting given as ``auto`` is the tuner's (tuner/loop.py): the loader keeps its own
@@ -115,7 +125,8 @@ def apply(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     if not settings:
         return args, kwargs, ()
     _built.add(name)
-    wanted = {k: v for k, v in for_loader(settings, name).items() if v != AUTO}
+    asked = for_loader(settings, name)
+    wanted = {k: v for k, v in asked.items() if v != AUTO}
     if only is not None:
         wanted = {k: v for k, v in wanted.items() if k in only}
     sig = _signature(function)
@@ -156,6 +167,11 @@ def apply(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
             continue
         value = wanted[key]
         if key in NEEDS_WORKERS and not workers and value is not False:
+            if key == "persistent_workers" and asked.get("num_workers") == AUTO:
+                once.problem(f"later:{name}:{key}", "dataloader %r: %s.%s=%s: the tuner's "
+                             "worker pools will be persistent (the loader has no workers "
+                             "yet)", log_name(name), ENV_SETTINGS, key, value)
+                continue
             once.problem(f"skip:{name}:{key}", "dataloader %r: %s.%s=%s not applied: the "
                          "loader has no workers", log_name(name), ENV_SETTINGS, key, value)
             continue

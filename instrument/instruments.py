@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,7 @@ log = logging.getLogger("dataloader_exporter.instrument")
 
 FINE_READ = 0.25  # seconds between readings of a loader tuned in windows mid-epoch
 PROBE_EVERY = 1 << 15  # batches between readings of a tuned epoch (recorder.MAX_UNREAD / 4)
+TorchIter = Callable[[Any], Any]  # a loader's own __iter__ (torch's, or a subclass's)
 WAIT_WRITE = 1.0  # seconds the loop's exception waits for the snapshot of a dead worker
 
 
@@ -51,6 +53,9 @@ class Instruments:
                  port: int | None, explicit: bool = True, tune: tuple[str, ...] = ()) -> None:
         self.name = name
         self.tune = tune  # settings the tuner sets, given in code (instrument.DataLoader)
+        # persistent_workers=True given in code beside a tuned num_workers, on a loader built
+        # without workers (instrument.DataLoader): the tuner's pools are persistent.
+        self.persist = False
         self.tuning: LoaderTuning | None = None
         self._tune_checked = False
         self._probe_start = 0  # the batch count at the start of the tuned epoch
@@ -112,9 +117,10 @@ class Instruments:
                                   grown, rec.dataset_objects[:1])
         self._failures.problem(cause, "dataloader %r%s: %s", log_name(self.name), who, text)
 
-    def at_iter(self, loader: Any) -> int | None:
+    def at_iter(self, loader: Any) -> Callable[[TorchIter], TorchIter] | None:
         """Before torch's iter(): the tuner's change, if the loader is tuned (tuner/loop.py).
-        Returns the base seed for a persistent pool it rebuilt, else None."""
+        Returns what torch's __iter__ is to be wrapped in for the pool it rebuilt or
+        kept, else None."""
         self.rec.workers.loop.tid = threading.get_native_id()
         if self.tuning is None:
             if self._tune_checked:
@@ -122,8 +128,9 @@ class Instruments:
             self._tune_checked = True
             try:
                 knobs = tuple(dict.fromkeys(self.tune + envsettings.auto_for(self.name)))
+                wish = envsettings.persistent_wish(self.name) or self.persist
             except SettingsError:  # said where the loader was built
-                knobs = self.tune
+                knobs, wish = self.tune, self.persist
             if not knobs:
                 return None
             if not isinstance(loader, torch.utils.data.DataLoader):
@@ -135,7 +142,7 @@ class Instruments:
             try:
                 from .tuner.loop import LoaderTuning
 
-                self.tuning = LoaderTuning(self.name, knobs, loader, self.rec)
+                self.tuning = LoaderTuning(self.name, knobs, loader, self.rec, wish)
             except Exception:  # the tuner must never stop training
                 log.warning("dataloader %r: the tuner cannot start; the loader keeps its "
                             "settings", log_name(self.name), exc_info=True)
@@ -296,7 +303,8 @@ class Instruments:
         try:
             if tuning is not None or not self.preflight.settled(self.config):
                 self.preflight.on_iter(self.config, self.epochs, tuning is not None and
-                                       "num_workers" in tuning.tuned and not tuning.advice_only)
+                                       "num_workers" in tuning.tuned and not tuning.advice_only,
+                                       tuning is not None and tuning.keeping.mode != "torch")
         except Exception:  # advice must never stop training
             log.debug("preflight failed", exc_info=True)
         try:

@@ -210,13 +210,11 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
         if timed is not None:
             return timed
     instruments.kept = None
-    seed = None if quiet else instruments.at_iter(loader)
+    wrap = None if quiet else instruments.at_iter(loader)
     undo = instruments.tuning.undo if instruments.tuning is not None else None
     torch_iter_as_is = torch_iter
-    if seed is not None:  # the tuner shut the persistent pool down: a new one, same order
-        from .tuner.order import fresh_seed
-
-        torch_iter = fresh_seed(torch_iter, seed)
+    if wrap is not None:  # the tuner rebuilt or kept a pool: its seeds, for the same batches
+        torch_iter = wrap(torch_iter)
     try:
         plan = _Plan(loader, instruments, quiet)
     except Exception:
@@ -245,7 +243,7 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     sized = (fixed_size(loader) if plan.count is collated_len and torch_iter_as_is is TORCH_ITER
              and undo is None and not tuning_now else None)
     timed = timed_iterator(it, instruments, start, gen, plan.count, sized, not plan.workers)
-    if (not plan.workers and plan.collate is None and tuning is None and seed is None
+    if (not plan.workers and plan.collate is None and tuning is None and wrap is None
             and torch_iter_as_is is TORCH_ITER and type(loader) in PLAIN_LOADERS
             and instruments._labels is not None):
         config, shm, labels = instruments._labels

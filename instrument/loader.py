@@ -42,9 +42,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     metrics_dir: write snapshot files there for the sidecar (default $DATALOADER_EXPORTER_DIR);
     port: also serve /metrics in-process on this port;
     registry: a prometheus_client CollectorRegistry to use instead of the process default;
-    tune: True, or the settings among ("num_workers", "prefetch_factor") the loader tuner
-    sets between epochs, starting from the values given here (as ``auto`` in
-    $DATALOADER_EXPORTER_SETTINGS does). Default: none.
+    tune: True (num_workers and prefetch_factor), or the settings among ("num_workers",
+    "prefetch_factor", "persistent_workers") the loader tuner sets, starting from the values
+    given here (as ``auto`` in $DATALOADER_EXPORTER_SETTINGS does). Default: none.
+    persistent_workers=True with num_workers=0 (which torch refuses) and a tuned
+    num_workers makes the pools the tuner starts persistent.
     """
 
     _dataloader_exporter_times_itself = True  # torch_originals.SELF_TIMED: hooks leave it be
@@ -54,6 +56,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                  port: int | None = None, registry: Any = None,
                  tune: bool | tuple[str, ...] = False, **kwargs: Any) -> None:
         knobs = envsettings.knobs_of(tune)  # a bad value fails here, as torch's own arguments do
+        # persistent_workers=True beside a tuned num_workers of 0: torch refuses it without
+        # workers, so the tuner makes the pools it starts persistent (tuner/keep.py).
+        persist = ("num_workers" in knobs and len(args) < 5 and not kwargs.get("num_workers")
+                   and kwargs.get("persistent_workers") is True)
+        if persist:
+            kwargs["persistent_workers"] = False
         # $DATALOADER_EXPORTER_SETTINGS first: a bad line fails here, before any work.
         args, kwargs = zerocode_hooks.apply_settings(name, (dataset, *args), kwargs)
         super().__init__(*args, **kwargs)
@@ -64,6 +72,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.registry = registry  # an attribute, so frameworks that rebuild loaders keep it
         # Its Instruments (instruments.py): everything measured goes through them.
         self._instruments = Instruments(name, registry, metrics_dir, port, tune=knobs)
+        self._instruments.persist = self.tune_persistent = persist
         # A framework's copy over the same dataset inherits its name.
         zerocode_hooks.adopt(self, self._instruments)
 
@@ -88,6 +97,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.__dict__.setdefault("tune", ())
         self.__dict__["_instruments"] = Instruments(self.name, self.registry, self.metrics_dir,
                                              self.port, tune=self.tune)
+        self.__dict__["_instruments"].persist = self.__dict__.get("tune_persistent", False)
         zerocode_hooks.adopt(self, self.__dict__["_instruments"])
 
     def __copy__(self) -> DataLoader[T_co]:

@@ -170,12 +170,15 @@ class Preflight:
         without workers, was checked already."""
         return cfg is self._checked and self._checked_tuned is False and not cfg.num_workers
 
-    def on_iter(self, cfg: LoaderConfig, epoch: int, tuned_workers: bool = False) -> None:
+    def on_iter(self, cfg: LoaderConfig, epoch: int, tuned_workers: bool = False,
+                tuned_persistent: bool = False) -> None:
         """At each iter(): the config line (first time) and config-only advice. The loader's
         epoch counts its own epochs; tuned_workers: the tuner sets num_workers from what it
-        measures, so no advice is given on the count."""
+        measures, so no advice is given on the count; tuned_persistent: it also decides
+        persistent_workers (tuner/keep.py), so none on that either."""
         if cfg is self._checked and tuned_workers is self._checked_tuned:
-            if epoch >= 2 and cfg.persistent_workers is False and cfg.num_workers:
+            if (epoch >= 2 and cfg.persistent_workers is False and cfg.num_workers
+                    and not tuned_persistent):
                 self._warn("not-persistent", "persistent_workers=False restarts %d workers "
                            "at every epoch, stalling its first batch; set "
                            "persistent_workers=True", cfg.num_workers)
@@ -216,7 +219,7 @@ class Preflight:
                        cfg.num_workers, ranks, "" if ranks == 1 else "s", cpu.describe(),
                        advisor.worker_cap(cpu, ranks, self._cuda()))
         if epoch >= 2 and cfg.num_workers and cfg.persistent_workers is False:
-            self.on_iter(cfg, epoch, tuned_workers)  # the not-persistent advice
+            self.on_iter(cfg, epoch, tuned_workers, tuned_persistent)  # the not-persistent advice
 
     def on_cuda_transfer(self, cfg: LoaderConfig) -> None:
         if cfg.pin_memory is False:

@@ -454,6 +454,7 @@ def test_the_json_has_the_tuner_for_a_tuned_loader_and_null_otherwise() -> None:
         "state": "trying", "num_workers": 2, "prefetch_factor": 2, "changes": 2,
         "held": ["num_workers", "prefetch_factor"],
         "settings": ["num_workers", "prefetch_factor"],  # no settings label: both
+        "persistent": None,  # only where the tuner sets persistent_workers
         "by_reason": [{"setting": "num_workers", "reason": "reverted", "count": 1},
                       {"setting": "num_workers", "reason": "starved", "count": 1}]}
     assert json.loads(json.dumps(report(**BLOCKED).as_dict()))["loaders"][0]["tuner"] is None
@@ -517,3 +518,29 @@ def test_only_the_settings_the_tuner_sets_are_held() -> None:
     assert setting(d, "num_workers") is None
     assert setting(d, "prefetch_factor").value == "4"  # as for the untuned loader
     assert "no num_workers advice while it sets it" in tuner_report.line(d.tuner)
+
+
+def _persistent_advice(k_stable: float, changes: dict[tuple[str, str], float]) -> Any:
+    tuned = "num_workers,prefetch_factor,persistent_workers"
+    first = Scrape.parse(exposition(0, **BLOCKED, stable=k_stable,
+                                    tuned=tuned, changes=changes), at=1000.0)
+    second = Scrape.parse(exposition(1, **BLOCKED, stable=k_stable,
+                                     tuned=tuned, changes=changes), at=1000.0 + SECONDS)
+    [d] = build_report("test", MACHINE, loaders(Window.between(first, second)), 1).diagnoses
+    return d
+
+
+def test_the_doctor_holds_persistent_workers_advice_while_the_tuner_decides_it() -> None:
+    d = _persistent_advice(0, {})
+    assert d.tuner.held == ["num_workers", "prefetch_factor", "persistent_workers"]
+    assert "persistent_workers" not in [r.setting for r in d.recommendations]
+    assert "persistent_workers=false" in tuner_report.line(d.tuner)
+    # Stable, with a pool it never had to let go: the doctor's own advice is back.
+    d = _persistent_advice(1, {("persistent_workers", "dataset-changed"): 0.0})
+    assert "persistent_workers" in [r.setting for r in d.recommendations]
+
+
+def test_no_persistent_workers_advice_once_the_tuner_saw_the_dataset_change() -> None:
+    d = _persistent_advice(1, {("persistent_workers", "dataset-changed"): 1.0})
+    assert "persistent_workers" not in [r.setting for r in d.recommendations]
+    assert any("change the dataset between epochs" in u for u in d.unknowns), d.unknowns

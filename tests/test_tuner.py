@@ -212,7 +212,8 @@ def test_auto_is_a_value_for_the_tunable_settings_only() -> None:
     assert tuned(line, "train") == ("num_workers", "prefetch_factor")
     assert tuned(line, "val") == ("prefetch_factor",)  # its own num_workers wins
     assert parse("train.num_workers=0,train.prefetch_factor=auto")  # no clash: tuned
-    for bad in ("train.persistent_workers=auto", "train.pin_memory=auto",
+    assert tuned(parse("train.persistent_workers=auto"), "train") == ("persistent_workers",)
+    for bad in ("train.pin_memory=auto",
                 "train.num_workers=automatic"):
         try:
             parse(bad)

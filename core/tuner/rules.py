@@ -44,10 +44,13 @@ MAX_BACKOFF = 16  # the most the windows a drift or a doubt needs are multiplied
 
 # Why a setting changed: the loop waited on busy workers; they waited for a CPU; more
 # workers than this rank's cores; memory would not hold them; the wait came in bursts;
-# a trial did not help.
-REASONS = ("starved", "cpu-contention", "cores", "memory", "bursty", "reverted")
+# a trial did not help; a new pool's start stalled each epoch (a pool kept, core/tuner/
+# persist.py); the training changed the dataset between epochs (a kept pool let go).
+REASONS = ("starved", "cpu-contention", "cores", "memory", "bursty", "reverted",
+           "epoch-start", "dataset-changed")
 REASONS_OF = {"num_workers": ("starved", "cpu-contention", "cores", "memory", "reverted"),
-              "prefetch_factor": ("bursty", "reverted")}  # why each setting can change
+              "prefetch_factor": ("bursty", "reverted"),
+              "persistent_workers": ("epoch-start", "dataset-changed")}  # why each can change
 
 
 @dataclass

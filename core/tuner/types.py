@@ -52,6 +52,10 @@ class Epoch:
     # holds them (dataset.paths), for the log.
     worker_to_come: int = 0
     copied: str = ""
+    # The wait for the epoch's first batch where its iter() started a new pool (seconds,
+    # and its share of the epoch's wall time); None where the pool was reused or none ran.
+    start_s: float | None = None
+    start_share: float | None = None
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ from the same counters at the next iter() (or, in a long epoch, while it runs):
 
 - samples (or batches) per second over the wall time from iter() to the last batch
   handed out, so a worker pool's start (and its rebuild) counts; the input stall from
-  the first batch on (the wait for the first batch, a pool's start, is its own figure);
+  the first batch on (the wait for the first batch, a pool's start, is its own figure,
+  kept where the epoch's iter() started a new pool: core/tuner/persist.py);
 - the workers' running / waiting-for-a-CPU / blocked shares (procstat.py) over the epoch,
   a virtual machine's steal (core/facts/cores.py) counted as running: the exported
   figures count it as waiting, but it is a tax on each ns run, not a queue for the cores
@@ -76,13 +77,16 @@ class Mark:
     step_counts: np.ndarray | None = None  # the step histogram's bucket counts
     own_iters: int = 1  # this loader's own iter()s to come in its window (0: mid-epoch)
     fetch_cpu: tuple[int, int] = (0, 0)  # rec.fetch_cpu_ns, rec.fetch_cpu_n
+    fresh_pool: bool = False  # its iter() starts a new pool of workers
 
 
 def take_mark(rec: LoaderRecorder, loader: Any, flush: bool = True,
-              setting: Setting | None = None, mid: bool = False) -> Mark:
+              setting: Setting | None = None, mid: bool = False,
+              fresh_pool: bool = False) -> Mark:
     """The loader's counters now, its recorder flushed first (unless it just was);
     `setting`: the loader's settings, when the loader is not at hand; mid: taken
-    mid-epoch, after the loader's own iter() (any iter() after it is another loader's)."""
+    mid-epoch, after the loader's own iter() (any iter() after it is another loader's);
+    fresh_pool: the iter() to come starts a new pool."""
     if flush:
         rec.flush()
     with rec.lock:
@@ -94,7 +98,7 @@ def take_mark(rec: LoaderRecorder, loader: Any, flush: bool = True,
                 fetch_cpu=(rec.fetch_cpu_ns, rec.fetch_cpu_n),
                 loop_sched=loop_sched(rec.loop_tid), step_counts=steps,
                 ticks=machine_ticks() if setting.workers == 0 else None,  # for _load only
-                own_iters=0 if mid else 1)
+                own_iters=0 if mid else 1, fresh_pool=fresh_pool and not mid)
 
 
 def epoch_since(rec: LoaderRecorder, mark: Mark, name: str, flush: bool = True,
@@ -141,13 +145,15 @@ def epoch_since(rec: LoaderRecorder, mark: Mark, name: str, flush: bool = True,
     active = rec.workers.active or 0
     to_come = _to_come(fig, active, rec.dataset_objects)
     each = _worker_bytes(fig, active)
+    start_s = (first - mark.t_ns) / 1e9 if mark.fresh_pool and first > mark.t_ns else None
     epoch = Epoch(mark.setting, done / wall, max(0.0, min(1.0, 1 - step_s / steady)),
                   shares[0], shares[1], shares[2],
                   None if each is None else each + to_come,
                   rec.batch_bytes if rec.batch_bytes >= 0 else None,
                   burstiness(counts, bounds), "samples" if known else "batches",
                   _load(rec, mark, batches, wall, step_s, spent), to_come,
-                  rec.dataset_objects[0].attribute if rec.dataset_objects else "")
+                  rec.dataset_objects[0].attribute if rec.dataset_objects else "",
+                  start_s, None if start_s is None else start_s / wall)
     log.debug("dataloader %r: %d batches in %.2f s, to be judged: %s", log_name(name),
               batches, wall, epoch)
     return epoch

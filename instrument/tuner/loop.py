@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -39,8 +40,9 @@ import torch.utils.data
 
 from dataloader_exporter.core.settings import ENV_SETTINGS, SettingsError, log_name, parse
 from dataloader_exporter.core.tuner.judge import DRIFT
+from dataloader_exporter.core.tuner.persist import keep_pool
 from dataloader_exporter.core.tuner.rules import REASONS_OF, Tuner
-from dataloader_exporter.core.tuner.types import Decision, Setting
+from dataloader_exporter.core.tuner.types import Decision, Epoch, Setting
 
 from .. import compat
 from ..envsettings import once
@@ -48,7 +50,8 @@ from ..failure_causes import is_torch_worker_error
 from ..hotpath.recorder import LoaderRecorder
 from .budget import budget
 from .epoch import MIN_BATCHES, Mark, epoch_since, paused, setting_of, take_mark
-from .order import order_bound
+from .keep import Keeping
+from .order import fresh_seed, order_bound
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
@@ -83,14 +86,32 @@ def say_failed(name: str, now: int, back: int, error: Exception, epoch: str) -> 
 ITERABLE = ("its IterableDataset's worker count decides how its stream is split, so it is "
             "set for the next run, not this one")
 
+TorchIter = Callable[[Any], Any]
+Wrap = Callable[[TorchIter], TorchIter]
+
+
+def persist_mode(loader: Any, knobs: tuple[str, ...], wish: bool) -> str:
+    """How the tuner treats persistent_workers (keep.py): "torch" for a loader built
+    persistent (or not asked), "auto" where persistent_workers=auto, "true" where
+    persistent_workers=true could not be set because the loader was built without workers
+    and num_workers=auto."""
+    if getattr(loader, "persistent_workers", False):
+        return "torch"
+    if "persistent_workers" in knobs:
+        return "auto"
+    return "true" if wish and "num_workers" in knobs else "torch"
+
 
 class LoaderTuning:
     """One loader object's tuner, fed at each iter() (Instruments.at_iter)."""
 
     def __init__(self, name: str, knobs: tuple[str, ...], loader: Any,
-                 rec: LoaderRecorder) -> None:
+                 rec: LoaderRecorder, wish: bool = False) -> None:
+        """wish: persistent_workers=true was asked beside num_workers=auto."""
         self.name = name
         self.rec = rec
+        self.keeping = Keeping(name, loader, persist_mode(loader, knobs, wish))
+        self.keeping.say_why_not()
         iterable = isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
         workers = "num_workers" in knobs and not iterable
         if "num_workers" in knobs and iterable:
@@ -125,7 +146,8 @@ class LoaderTuning:
         self._warming = False  # a new pool's first batches: not judged
         self._window_at_iter = True  # the window judged next began at an iter()
         rec.on_flush = self.tick
-        self.tuned = tuple(k for k in knobs if k != "num_workers" or workers)
+        self.tuned = tuple(k for k in knobs if (k != "num_workers" or workers) and (
+            k != "persistent_workers" or self.keeping.deciding))
         if self.advice_only:
             log.info("dataloader %r: the tuner only says what it would set: %s",
                      log_name(name), self.advice_only)
@@ -141,16 +163,18 @@ class LoaderTuning:
                      "=%d", log_name(name), " and ".join(self.tuned), when,
                      self.tuner.start.workers, self.tuner.start.prefetch)
 
-    def at_iter(self, loader: Any, forget_workers: Callable[[], None]) -> int | None:
+    def at_iter(self, loader: Any, forget_workers: Callable[[], None]) -> Wrap | None:
         """Judges the epoch since the last iter() and applies a change to `loader` before
-        torch's iter() runs. Returns the base seed for a persistent pool rebuilt here (see
-        fresh_seed), else None. Never raises: the tuner must never stop training."""
+        torch's iter() runs. Returns what torch's __iter__ is to be wrapped in (None: run
+        as it is): a persistent pool rebuilt gets its base seed (fresh_seed), a kept one
+        its workers' seeds (keep.py). Never raises: the tuner must never stop training."""
         try:
             with self._lock:
                 seed = None
                 self.undo = None
                 mark, self._mark = self._mark, None
                 pending, self.pending = self.pending, None
+                epoch = None
                 if pending is not None:  # decided in a long epoch that ended first: now
                     seed = self._apply(loader, pending, forget_workers)
                 elif mark is not None and self._partial(mark):
@@ -171,11 +195,16 @@ class LoaderTuning:
                             self._drifted()
                         if decision is not None:
                             seed = self._apply(loader, decision, forget_workers)
+                wrap = self._keep(loader, epoch, forget_workers)
                 self._say_stable()
-                if not self.tuner.stable or self.rec.tuner_stable:  # tuning, or watching
-                    self._mark = take_mark(self.rec, loader)
+                if not self.tuner.stable or self.rec.tuner_stable or self._deciding():
+                    pool = compat.persistent_iterator(loader)
+                    self._mark = take_mark(self.rec, loader, fresh_pool=bool(
+                        loader.num_workers) and (pool is None or not loader.persistent_workers))
                 self._window_at_iter, self._warming = True, False
-                return seed
+                if seed is not None:
+                    return functools.partial(fresh_seed, seed=seed)
+                return wrap
         except Exception as e:
             if is_torch_worker_error(e):
                 raise  # torch's word that a worker died goes on to the loop
@@ -183,7 +212,37 @@ class LoaderTuning:
                         "settings", log_name(self.name), exc_info=True)
             self.tuner.stable = True
             self.rec.tuner_stable = None  # no tuner runs: its series go
+            with contextlib.suppress(Exception):
+                self.keeping.release(loader, forget_workers)
             return None
+
+    def _verdict(self, epoch: Epoch | None) -> None:
+        """auto's verdict on keeping the pool whose start `epoch` measured, made at the
+        next iter() (core/tuner/persist.py); a verdict not to keep stands once the tuner
+        has settled."""
+        keeping = self.keeping
+        if not keeping.deciding or epoch is None or epoch.start_share is None:
+            return
+        keep, why = keep_pool(epoch, budget())
+        if keeping.decided(keep, why):
+            self._count("persistent_workers", "epoch-start")
+            self._said_stable = False  # the stable line says it
+        elif self.tuner.stable:
+            keeping.final = True
+
+    def _keep(self, loader: Any, epoch: Epoch | None, forget_workers: Callable[[], None]
+              ) -> Wrap | None:
+        """persistent_workers under the tuner (keep.py): auto's verdict on the epoch's
+        pool, then the loader's pool as it is to be at this iter()."""
+        keeping = self.keeping
+        self._verdict(epoch)
+        wrap, changed = keeping.prepare(loader, forget_workers)
+        if changed is not None:
+            self._count("persistent_workers", "dataset-changed")
+            log.warning("dataloader %r: persistent_workers True -> False: %s",
+                        log_name(self.name), keeping.why_not)
+            self._said_stable = False
+        return wrap
 
     def _apply(self, loader: Any, decision: Decision,
                forget_workers: Callable[[], None]) -> int | None:
@@ -210,7 +269,8 @@ class LoaderTuning:
             raise
         seed = None
         if old is not None:  # the pool torch would have reused had the old settings
-            seed = compat.base_seed(old)
+            if self.keeping.mode == "torch":  # else a new pool draws as the untuned one
+                seed = compat.base_seed(old)
             forget_workers()
         self._count(decision.name, decision.reason)
         rebuilt = " (its persistent workers start anew)" if old is not None else ""
@@ -238,6 +298,7 @@ class LoaderTuning:
                 if undo.generator is not None and isinstance(gen, torch.Generator):
                     gen.set_state(undo.generator)
                 torch.set_rng_state(undo.cpu)
+                self.keeping.release(loader, lambda: None)  # the failed pool, if kept
                 self.tuner.cannot_run(undo.setting)
                 self._count("num_workers", "reverted")
         except Exception:
@@ -253,22 +314,32 @@ class LoaderTuning:
         if self.tuner.memory_note:
             once.problem(f"tune-copies:{self.name}", "dataloader %r: %s", log_name(self.name),
                          self.tuner.memory_note)
-        if not self.tuner.stable or self._said_stable:
+        if not self.tuner.stable or self._said_stable or self._deciding():
             return
         self._said_stable = True
         if self.rec.tuner_stable is None:
             return  # it advised, stopped, or had nothing to set: no settings line
         self.rec.tuner_stable = True
         line = self.tuner.settings_line(self.name)
+        keeping, workers = self.keeping, self.tuner.current.workers
+        keep = ""
+        if keeping.mode != "torch" and workers and not keeping.deciding:
+            keep = f", persistent_workers={keeping.kept}"
+            line = ",".join(x for x in (line, f"{self.name}.persistent_workers="
+                                        f"{str(keeping.kept).lower()}") if x)
         try:
             parse(line or "")
         except SettingsError:
             line = None  # a name a settings line cannot hold
         if line:
             log.warning("dataloader %r: the tuner is stable at num_workers=%d, "
-                        "prefetch_factor=%d; to keep them without tuning: %s=%s",
-                        log_name(self.name), self.tuner.current.workers,
-                        self.tuner.current.prefetch, ENV_SETTINGS, line)
+                        "prefetch_factor=%d%s; to keep them without tuning: %s=%s",
+                        log_name(self.name), workers, self.tuner.current.prefetch, keep,
+                        ENV_SETTINGS, line)
+
+    def _deciding(self) -> bool:
+        """Whether auto has yet to say whether it keeps the workers the tuner runs."""
+        return self.keeping.deciding and self.tuner.current.workers > 0
 
     def tick(self) -> None:
         """After a flush (a reader's thread, or the loop's own reading): an epoch running
@@ -398,6 +469,7 @@ class LoaderTuning:
                 self.pending = self.tuner.observe(epoch, budget())
                 if settled and not self.tuner.stable:
                     self._drifted()
+                self._verdict(epoch)
                 self._say_stable()
             self._mark = take_mark(self.rec, None, flush=False, setting=self.tuner.current,
                                    mid=True)
@@ -419,6 +491,7 @@ class LoaderTuning:
             try:
                 loader.prefetch_factor = s.prefetch if s.workers else None
                 loader.num_workers = s.workers
+                self.keeping.at_switch(loader)
             except BaseException:
                 for attr, value in zip(("num_workers", "prefetch_factor"), before,
                                        strict=True):
@@ -437,6 +510,7 @@ class LoaderTuning:
             with self._lock:
                 loader.num_workers = previous.workers
                 loader.prefetch_factor = None if not previous.workers else previous.prefetch
+                self.keeping.release(loader, lambda: None)  # the failed pool, if kept
                 self.tuner.cannot_run(previous)
                 self._count("num_workers", "reverted")
         except Exception:
