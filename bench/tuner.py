@@ -24,6 +24,16 @@ num_workers=0, against the best fixed setting measured just before: its samples/
 whole epoch (goal: at least 0.85 of the best), and its sequence of sample indices against
 an untuned torch DataLoader's with the same generator (goal: equal).
 
+Short epochs (the epoch-start stall), over the storage samples, EPOCHS epochs of
+EPOCH_SAMPLES each, measured over the last LAST: fixed persistent pools of KEPT counts
+against loaders tuned from num_workers=0 (not persistent) with persistent_workers=auto
+and with persistent_workers=true (goal: both at least 0.90 of the best fixed), each
+epoch's sample indices against an untuned loader's (goal: equal):
+
+  storage-epochs      one process
+  storage-ddp         two torchrun ranks (gloo) with a DistributedSampler, a tiny
+                      all_reduce per step; samples/s summed over the ranks
+
     python bench/tuner.py [--quick] [--strict] [--classes cpu-trivial,storage] [--long]
 """
 
@@ -253,15 +263,128 @@ def long_epoch(kind: Kind, fixed_s: float, seconds: float) -> dict[str, Any]:
             "changes": changes(registry, "long-tuned")}
 
 
+EPOCHS, LAST, EPOCH_SAMPLES = 10, 3, 2048
+KEPT = (8, 16, 32)  # fixed persistent worker counts the short-epoch classes compare with
+SHORT = ("storage-epochs", "storage-ddp")
+
+
+def _epochs(loader: Any, sampler: Any, step: Callable[[], None]
+            ) -> tuple[float, list[list[int]]]:
+    """Samples/s over the last LAST of EPOCHS epochs, and each epoch's sample indices."""
+    order: list[list[int]] = []
+    t0, seen = 0.0, 0
+    for e in range(EPOCHS):
+        if sampler is not None:
+            sampler.set_epoch(e)
+        if e == EPOCHS - LAST:
+            t0 = time.perf_counter()
+        idx = []
+        for batch in loader:
+            idx += [int(i) for i in batch[0]]
+            step()
+        order.append(idx)
+        seen += len(idx) if e >= EPOCHS - LAST else 0
+    return seen / (time.perf_counter() - t0), order
+
+
+def short_epochs(ddp: bool) -> dict[str, Any]:
+    """One process's (or, under torchrun, this rank's) short-epoch class (docstring)."""
+    import torch.distributed as dist
+
+    registry = CollectorRegistry()
+    ranks = dist.get_world_size() if ddp else 1
+    n = EPOCH_SAMPLES * ranks
+    data = StorageSamples(n, 0.004, 0.0002)
+
+    def sampler() -> Any:
+        return (torch.utils.data.distributed.DistributedSampler(range(n), shuffle=True,
+                                                                 seed=1) if ddp else None)
+
+    def build(cls: Any, name: str, over: Any = data, **kw: Any) -> tuple[Any, Any]:
+        s = sampler()
+        extra = {} if cls is torch.utils.data.DataLoader else {"name": name,
+                                                                "registry": registry}
+        return cls(over, batch_size=BATCH, sampler=s, shuffle=s is None,
+                   generator=torch.Generator().manual_seed(1), **extra, **kw), s
+
+    def step() -> None:
+        if ddp:
+            dist.all_reduce(torch.zeros(1))
+
+    rates: dict[str, float] = {}
+    orders: dict[str, list[list[int]]] = {}
+    for w in KEPT:
+        loader, s = build(instrument.DataLoader, f"kept-{w}", num_workers=w,
+                          persistent_workers=True)
+        rates[f"fixed-{w}"], _ = _epochs(loader, s, step)
+        del loader
+    both = ("num_workers", "prefetch_factor")
+    for label, kw in (("auto", {"tune": (*both, "persistent_workers")}),
+                      ("true", {"tune": both, "persistent_workers": True})):
+        loader, s = build(instrument.DataLoader, f"tuned-{label}", num_workers=0, **kw)
+        rates[label], orders[label] = _epochs(loader, s, step)
+        rates[f"{label}-workers"] = float(loader.num_workers)
+        del loader
+    bare, s = build(torch.utils.data.DataLoader, "", over=range(n))
+    orders["untuned"] = []
+    for e in range(EPOCHS):
+        if s is not None:
+            s.set_epoch(e)
+        orders["untuned"].append([int(i) for b in bare for i in b])
+    same = {label: orders[label] == orders["untuned"] for label in ("auto", "true")}
+    return {"rates": rates, "same": same}
+
+
+def _ddp_main() -> int:
+    """A rank of the storage-ddp class, under torchrun: prints rank 0's JSON."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        torch.set_num_threads(1)
+        mine = short_epochs(ddp=True)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    finally:
+        dist.destroy_process_group()
+    if os.environ.get("RANK") == "0":
+        rates = {k: sum(r["rates"][k] for r in everyone) for k in mine["rates"]
+                 if not k.endswith("-workers")}
+        rates.update({k: v for k, v in mine["rates"].items() if k.endswith("-workers")})
+        same = {k: all(r["same"][k] for r in everyone) for k in mine["same"]}
+        print("DDP " + json.dumps({"rates": rates, "same": same}), flush=True)
+    return 0
+
+
+def short_class(name: str) -> dict[str, Any]:
+    if name == "storage-epochs":
+        r = short_epochs(ddp=False)
+    else:
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                              "--nproc_per_node", "2", __file__, "--ddp-rank"],
+                             capture_output=True, text=True, timeout=900, check=True)
+        [line] = [x for x in out.stdout.splitlines() if x.startswith("DDP ")]
+        r = json.loads(line[4:])
+    fixed = {k: v for k, v in r["rates"].items() if k.startswith("fixed-")}
+    best = max(fixed, key=lambda k: fixed[k])
+    r["best"] = best
+    r["ratio"] = {k: round(r["rates"][k] / fixed[best], 3) for k in ("auto", "true")}
+    return r
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--classes", default="cpu-trivial,cpu-step,storage,gpu-wait,busy")
+    ap.add_argument("--classes", default="cpu-trivial,cpu-step,storage,gpu-wait,busy,"
+                    "storage-epochs,storage-ddp")
+    ap.add_argument("--ddp-rank", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--fixed", type=float, help="seconds per fixed setting (4; --quick 2)")
     ap.add_argument("--tuned", type=float, help="seconds of the tuned run (48; --quick 10)")
     ap.add_argument("--long", action="store_true", help="also the 60-s single epoch")
     ap.add_argument("--quick", action="store_true", help="shorter runs, for a smoke run")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
     args = ap.parse_args(argv)
+    if args.ddp_rank:
+        return _ddp_main()
     fixed_s, tuned_s, long_s = (2.0, 10.0, 20.0) if args.quick else (4.0, 48.0, 60.0)
     fixed_s = args.fixed if args.fixed is not None else fixed_s
     tuned_s = args.tuned if args.tuned is not None else tuned_s
@@ -272,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = advisor.local_cpu().usable
     table = kinds(cores)
     chosen = [c for c in args.classes.split(",") if c]
-    unknown = [c for c in chosen if c not in table]
+    unknown = [c for c in chosen if c not in table and c not in SHORT]
     if unknown:
         ap.error(f"unknown classes {unknown}; known: {', '.join(table)}")
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {cores} usable "
@@ -280,7 +403,18 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     results: dict[str, Any] = {}
     checks: dict[str, bool] = {}
-    for name in chosen:
+    for name in [c for c in chosen if c in SHORT]:
+        r = short_class(name)
+        results[name] = r
+        rates = ", ".join(f"{k}: {v:.0f}" for k, v in r["rates"].items())
+        print(f"{name:<14} samples/s over the last {LAST} of {EPOCHS} epochs {{{rates}}}; "
+              f"tuned/best ({r['best']}) {r['ratio']}; same batches {r['same']}", flush=True)
+        for label in ("auto", "true"):
+            checks[f"{name} persistent_workers={label}: tuned/best >= {MIN_RATIO:.2f}"] = \
+                r["ratio"][label] >= MIN_RATIO
+            checks[f"{name} persistent_workers={label}: same batches as untuned"] = \
+                r["same"][label]
+    for name in [c for c in chosen if c not in SHORT]:
         r = one_class(table[name], fixed_s, tuned_s)
         results[name] = r
         fixed = ", ".join(f"{n}: {v:.0f}" for n, v in r["fixed"].items())

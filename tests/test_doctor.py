@@ -258,7 +258,7 @@ def expected_tuner(loader: Any, changes: dict[str, float]) -> dict[str, Any]:
     return {"state": "stable", "num_workers": loader.num_workers,
             "prefetch_factor": loader.prefetch_factor if loader.num_workers else None,
             "changes": sum(changes.values()), "held": [],
-            "settings": ["num_workers", "prefetch_factor"],
+            "settings": ["num_workers", "prefetch_factor"], "persistent": None,
             "by_reason": [{"setting": k.split()[0], "reason": k.split()[1], "count": v}
                           for k, v in sorted(changes.items())]}
 

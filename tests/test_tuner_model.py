@@ -118,7 +118,7 @@ def test_no_workers_where_the_cores_are_the_limit_and_the_cap_bounds_the_rest() 
     # One core, as busy with the step as with the batches: workers only share it.
     assert choose(Load(0.010, 0.010, 0.010, 0.010), 1) == 0
     assert choose(Load(0.096, 0.005, 0.0005, 0.0005), 2, cap=5) == 5
-    assert ceiling(2) == 16 and ceiling(64) == 128 and ceiling(0.5) == 8
+    assert ceiling(2) == 32 and ceiling(64) == 128 and ceiling(0.5) == 16
 
 
 @pytest.mark.parametrize("name", sorted(CLASSES))

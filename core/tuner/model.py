@@ -27,7 +27,7 @@ from dataclasses import dataclass
 # Blocked workers over the count that exactly keeps up: waits on storage vary. CPU-bound
 # workers get none: past the cores they only queue for a CPU.
 HEADROOM = 1.25
-MAX_PER_CPU = 8  # blocked workers per core at most, whatever the model says
+MAX_PER_CPU = 16  # blocked workers per core at most, whatever the model says
 MAX_WORKERS = 128  # per rank: beyond, a pool's start and memory outweigh the overlap
 CPU_BOUND = 0.5  # a worker on a CPU this share of its time or more: no more than the cores
 
