@@ -233,24 +233,26 @@ def advise(v: WorkerView, s: LoaderSignals, workers: int, starved: bool, machine
                                 "are free")
     elif v.bottleneck == BLOCKED:
         busy = (v.running_share or 0.0) + (v.waiting_for_cpu_share or 0.0)
-        cap = advisor.blocked_cap(machine.cpu, local_ranks, cuda, machine.storage)
-        fits = modelled(v, s, cpus)  # the tuner's model: its first move from here
-        if fits is None:
-            fits = math.floor(cores / busy) if busy > 0 else cap  # the cores their CPU needs
-        target = min(cap, fits)
+        # The tuner's model, its first move from these figures: one answer for the same
+        # figures (a local disk that saturates shows in the tuner's trial, not here).
+        target = modelled(v, s, cpus)
+        limit = "the tuner's model: the cores their CPU and the loop's need, or the loop's pace"
+        if target is None:  # without the figures: the cores their CPU needs, capped
+            cap = advisor.blocked_cap(machine.cpu, local_ranks, cuda, machine.storage)
+            target = min(cap, math.floor(cores / busy) if busy > 0 else cap)
+            limit = f"the cap for {machine.storage} storage or the {n_cores}"
         if target <= workers:
-            v.why += (f"; more workers would pass the cap for {machine.storage} storage or "
-                      f"the {n_cores}: a deeper prefetch_factor, caching or faster storage")
+            v.why += (f"; more workers would pass {limit}: a deeper prefetch_factor, caching "
+                      "or faster storage")
             return Advice(workers, v.why)
         advice = Advice(target, f"{v.why}; more workers overlap the waits (each needs "
                                 f"{pct(busy)} of a core; {n_cores}, {machine.storage} storage)")
     elif workers == 0 and starved and (load := loop_load(s)) is not None:
-        cap = advisor.blocked_cap(machine.cpu, local_ranks, cuda, machine.storage)
-        target = min(cap, choose(load, cpus))
+        target = choose(load, cpus)
         advice = Advice(target, f"the loop waits for data {pct(s.stall_share)} of the time: "
                                 f"without workers {load.line()} (the loop thread's CPU time "
                                 f"counted as the fetch's first); the tuner's model gives "
-                                f"{target} for {cpus:g} cores, {machine.storage} storage")
+                                f"{target} for {cpus:g} cores")
         if target == 0:
             advice = _configured(s, workers, starved, machine, local_ranks, cuda, n_cores)
     else:
