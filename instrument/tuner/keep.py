@@ -115,6 +115,7 @@ class Keeping:
         self.name = name
         self.mode = mode
         self.kept = mode == "true"  # its pools are persistent (true, or auto decided)
+        self.built = bool(getattr(loader, "persistent_workers", False))  # persistent as built
         self.why_not: str | None = None  # why auto cannot keep it (said once)
         self.final = False  # auto's verdict not to keep it stands (the tuner settled)
         self._print: list[object] | None = None  # the dataset's values at the last iter()

@@ -31,7 +31,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from time import perf_counter_ns
 from typing import Any
 
@@ -180,7 +180,7 @@ class LoaderTuning:
                 elif mark is not None and self._partial(mark):
                     pass  # the tail of an epoch after a mid-epoch window: too short
                 elif mark is not None:
-                    epoch = epoch_since(self.rec, mark, self.name)
+                    epoch = self._once(epoch_since(self.rec, mark, self.name))
                     if epoch is not None and self.advice_only:
                         self._advise(copy.deepcopy(self.tuner).observe(epoch, budget()),
                                      self.advice_only)
@@ -216,6 +216,16 @@ class LoaderTuning:
                 self.keeping.release(loader, forget_workers)
             return None
 
+    def _once(self, epoch: Epoch | None) -> Epoch | None:
+        """The epoch as the tuner judges it, auto's verdict on keeping its pool made
+        first: where its pool's start is paid once (a pool kept from now on, or persistent
+        as built), its rate without that start, which the epochs to come will not pay."""
+        self._verdict(epoch)
+        if (epoch is None or not epoch.start_share or epoch.start_share >= 1
+                or not (self.keeping.kept or self.keeping.built)):
+            return epoch
+        return replace(epoch, samples_per_s=epoch.samples_per_s / (1 - epoch.start_share))
+
     def _verdict(self, epoch: Epoch | None) -> None:
         """auto's verdict on keeping the pool whose start `epoch` measured, made at the
         next iter() (core/tuner/persist.py); a verdict not to keep stands once the tuner
@@ -235,7 +245,6 @@ class LoaderTuning:
         """persistent_workers under the tuner (keep.py): auto's verdict on the epoch's
         pool, then the loader's pool as it is to be at this iter()."""
         keeping = self.keeping
-        self._verdict(epoch)
         wrap, changed = keeping.prepare(loader, forget_workers)
         if changed is not None:
             self._count("persistent_workers", "dataset-changed")
@@ -462,14 +471,14 @@ class LoaderTuning:
                 return
             self._warming = False
             if not warming and not paused(self.rec, mark, WINDOW):
-                epoch = epoch_since(self.rec, mark, self.name, flush=False, end_ns=now)
+                epoch = self._once(epoch_since(self.rec, mark, self.name, flush=False,
+                                               end_ns=now))
                 if epoch is None:
                     return
                 settled = self.tuner.stable  # watched: tuned again if its rate drifts
                 self.pending = self.tuner.observe(epoch, budget())
                 if settled and not self.tuner.stable:
                     self._drifted()
-                self._verdict(epoch)
                 self._say_stable()
             self._mark = take_mark(self.rec, None, flush=False, setting=self.tuner.current,
                                    mid=True)
