@@ -3,20 +3,28 @@
 A real training loop on the CPU over a synthetic dataset whose samples cost real CPU
 work (rendering and filtering a noisy image). First a starved configuration
 (num_workers=0, no persistent workers), then the settings the doctor recommends for it,
-then a loader that tunes itself (``tune=True``) from num_workers=0, all
-instrumented, while /metrics is served on 127.0.0.1. It ends with a side-by-side table. The
-main process uses one torch thread, as DataLoader workers do, so the runs share the
-machine's cores the same way.
+then a loader that tunes itself (num_workers, prefetch_factor and persistent_workers)
+from num_workers=0, all instrumented, while /metrics is served on 127.0.0.1. It ends
+with a side-by-side table. The main process uses one torch thread, as DataLoader workers do, so the runs share the
+machine's cores the same way. The speed-ups are judged against the machine as it is:
+before and after the runs the demo measures what two processes rendering these samples
+at once give against one (``machine_limit``), and prints each speed-up beside it, and for
+each run how much CPU other processes used meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing
+import signal
 import sys
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
+import psutil
 import torch
 import torch.nn.functional as F
 from prometheus_client import generate_latest
@@ -34,6 +42,8 @@ from dataloader_exporter.instrument.tuner.epoch import MIN_BATCHES
 BATCH = 32
 UNSETTLED = 24  # epochs after which a tuner that has not settled is measured as it is
 WORK = 8  # filter passes per sample: about 1.2 ms of CPU, close to a step's cost per sample
+LIMIT_SECONDS = 0.15  # a turn of the limit's measurement: about 100 samples a process
+LIMIT_ROUNDS = 4  # turns alone and together each: about 1.3 s in all
 
 
 class NoisyImages(Dataset[tuple[torch.Tensor, int]]):
@@ -81,6 +91,30 @@ class Result:
     stall_share: float | None
     diagnosis: Diagnosis
     measured: str  # which epochs the figures are over
+    others_cpu: float  # cores other processes kept busy meanwhile
+
+
+def cpu_clock() -> tuple[float, float, float]:
+    """(monotonic time, the machine's busy CPU seconds, those of this process and its
+    children, reaped or alive): two readings tell how much CPU others used between them."""
+    me = psutil.Process()
+    ours = 0.0
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # reaped since: counted in me's below
+            t = child.cpu_times()
+            ours += t.user + t.system
+    t = me.cpu_times()
+    ours += t.user + t.system + t.children_user + t.children_system
+    m = psutil.cpu_times()  # guest time is within user time already
+    idle = m.idle + sum(getattr(m, f, 0.0) for f in ("iowait", "guest", "guest_nice"))
+    return time.monotonic(), sum(m) - idle, ours
+
+
+def others_cores(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:
+    """Cores' worth of CPU that other processes (and other VMs' steal) used between two
+    `cpu_clock` readings."""
+    busy, ours = end[1] - start[1], end[2] - start[2]
+    return max(0.0, busy - ours) / max(end[0] - start[0], 1e-9)
 
 
 def _progress(line: str, final: bool = False) -> None:
@@ -99,6 +133,9 @@ def tuner_settled(registry: Any, name: str) -> bool:
                if s.labels.get("loader") == name and s.labels.get("rank") == rank)
 
 
+TUNED = ("num_workers", "prefetch_factor", "persistent_workers")  # the auto column's
+
+
 def run_phase(name: str, settings: dict[str, Any], seconds: float, samples: int,
               tune: bool = False) -> Result:
     """Trains whole epochs until `seconds` have passed and two measured epochs are done.
@@ -108,13 +145,14 @@ def run_phase(name: str, settings: dict[str, Any], seconds: float, samples: int,
     registry = instrument.default_registry()
     # Generic like torch's DataLoader (mypy checks this line in `make typecheck`).
     loader: instrument.DataLoader[tuple[torch.Tensor, int]] = instrument.DataLoader(
-        NoisyImages(samples), batch_size=BATCH, shuffle=True, name=name, tune=tune,
-        **settings)
+        NoisyImages(samples), batch_size=BATCH, shuffle=True, name=name,
+        tune=TUNED if tune else False, **settings)
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     begin = time.perf_counter()
     before: Scrape | None = None  # at the first measured epoch's start
     walls: list[float] = []  # per epoch: iter() to its last step
+    clocks: list[tuple[float, float, float]] = []  # per epoch: cpu_clock() at its start
     counts: list[int] = []
     first = 0  # the first measured epoch
     last_print = 0.0
@@ -125,6 +163,7 @@ def run_phase(name: str, settings: dict[str, Any], seconds: float, samples: int,
                 before, first = scrape, len(walls) - 1
                 break
             scrape = Scrape.parse(generate_latest(registry).decode())
+        clocks.append(cpu_clock())
         start = time.perf_counter()
         epoch = iter(loader)  # where the tuner changes the settings, or settles
         if before is None and (not tune or tuner_settled(registry, name)):
@@ -142,6 +181,7 @@ def run_phase(name: str, settings: dict[str, Any], seconds: float, samples: int,
         walls.append(time.perf_counter() - start)
         counts.append(seen)
     assert before is not None
+    others = others_cores(clocks[first], cpu_clock())
     after = Scrape.parse(generate_latest(registry).decode())
     window = Window.between(before, after)
     sig = next(s for s in loaders(window) if s.loader == name)
@@ -156,11 +196,104 @@ def run_phase(name: str, settings: dict[str, Any], seconds: float, samples: int,
         used = {"num_workers": loader.num_workers}
         if loader.num_workers:
             used["prefetch_factor"] = loader.prefetch_factor
-    _progress(f"[{name}] {len(walls)} epochs, {rate:.0f} samples/s over the {measured}",
+            used["persistent_workers"] = loader.persistent_workers
+    _progress(f"[{name}] {len(walls)} epochs, {rate:.0f} samples/s over {measured}",
               final=True)
     del loader, epoch  # shut persistent workers down before the next phase
     return Result(name, used, rate, wall / n, sig.first_batch_mean or 0.0,
-                  sig.stall_share, diag, measured)
+                  sig.stall_share, diag, measured, others)
+
+
+def _renderer(jobs: Connection, parents_end: Connection) -> None:
+    """A child: for each `seconds` it receives, renders samples that long and answers its
+    samples/s, until the parent closes its end or is gone. Ctrl-C is the parent's."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    parents_end.close()  # so that a parent's death reads as EOF here
+    torch.set_num_threads(1)
+    data = NoisyImages(2**62)
+    data[0]  # the first sample pays for lazy set-up
+    try:
+        while True:
+            seconds = jobs.recv()
+            start = now = time.monotonic()
+            n = 0
+            while now - start < seconds:
+                data[n]
+                n += 1
+                now = time.monotonic()
+            jobs.send(n / (now - start))
+    except (EOFError, OSError):
+        pass
+
+
+def machine_limit(seconds: float = LIMIT_SECONDS, rounds: int = LIMIT_ROUNDS) -> float | None:
+    """How many times one process's samples/s two processes rendering the demo's samples
+    at once reach on this machine now (2.0 on two idle cores; less beside other work).
+
+    Two forked children take turns: one alone, then both at once, `rounds` times for
+    `seconds` each, the order alternating so that a load that comes or goes counts on
+    both sides. No child outlives the call, whatever ends it. None where it cannot be
+    measured (no fork, a child failed)."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    ctx = multiprocessing.get_context("fork")
+    ends: list[Connection] = []
+    children = []
+    one = two = 0.0
+    try:
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # until ignored
+        try:
+            for _ in range(2):
+                mine, theirs = ctx.Pipe()
+                children.append(ctx.Process(target=_renderer, args=(theirs, mine),
+                                            daemon=True))
+                children[-1].start()
+                theirs.close()
+                ends.append(mine)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        for i in range(2 * rounds):
+            together = ends if i % 4 in (1, 2) else ends[:1]
+            for end in together:
+                end.send(seconds)
+            rates = [end.recv() for end in together]
+            if len(together) == 2:
+                two += sum(rates)
+            else:
+                one += rates[0]
+    except (EOFError, OSError):
+        return None
+    finally:
+        for end in ends:
+            end.close()
+        for child in children:  # idle between turns, or interrupted: nothing left to save
+            child.terminate()
+            child.join()
+    return two / one if one > 0 else None
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The machine's limit (`machine_limit`) just before and just after the runs."""
+    before: float | None
+    after: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        """The mean of the two: the load the runs met, as well as it is known."""
+        known = [r for r in (self.before, self.after) if r is not None]
+        return sum(known) / len(known) if known else None
+
+    def line(self) -> str:
+        """The line under the table that says what the limit is."""
+        if self.ratio is None:
+            return "this machine's limit: not measured (no fork here, or a child failed)"
+        told = ", ".join(f"{r:.2f}x {when}" for r, when in
+                         ((self.before, "before the runs"), (self.after, "after"))
+                         if r is not None)
+        return (f"of {self.ratio:.2f}x: this machine's limit, what two processes gave "
+                f"against one, rendering these samples ({told})")
 
 
 def recommended(diag: Diagnosis) -> dict[str, Any]:
@@ -177,14 +310,25 @@ def recommended(diag: Diagnosis) -> dict[str, Any]:
     return out
 
 
-def table(results: list[Result]) -> str:
+def speedups(results: list[Result], limit: float | None) -> list[str]:
+    """Each column's samples/s over the first column's, beside the machine's limit."""
+    of = f" of {limit:.2f}x" if limit is not None else ""
+    base = results[0].samples_per_second
+    return [f"{r.samples_per_second / base:.2f}x" + (of if i else "")
+            for i, r in enumerate(results)]
+
+
+def table(results: list[Result], limit: float | None = None) -> str:
     rows = [("", *(r.name for r in results)),
             ("settings", *(", ".join(f"{k}={v}" for k, v in r.settings.items()) or "defaults"
                            for r in results)),
             ("input stall share", *(f"{r.stall_share:.0%}" if r.stall_share is not None
                                     else "-" for r in results)),
             ("samples/s", *(f"{r.samples_per_second:.0f}" for r in results)),
+            ("speed-up", *speedups(results, limit)),
             ("measured over", *(r.measured for r in results)),
+            ("others' CPU use", *(f"{r.others_cpu:.1f} of {psutil.cpu_count() or '?'} cores"
+                                  for r in results)),
             ("epoch time", *(f"{r.epoch_seconds:.2f} s" for r in results)),
             ("time to first batch", *(f"{r.first_batch_seconds * 1000:.0f} ms"
                                       for r in results)),
@@ -195,7 +339,8 @@ def table(results: list[Result]) -> str:
 
 
 DESCRIPTION = ("A starved and a tuned CPU training run, side by side, with the doctor's "
-               "advice applied between them, and a third that tunes itself (tune=True) "
+               "advice applied between them, and a third that tunes itself (num_workers, "
+               "prefetch_factor and persistent_workers=auto) "
                "(needs the torch extra).")
 
 
@@ -210,6 +355,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"judges epochs of {MIN_BATCHES} batches or more)")
     p.add_argument("--keep-serving", action="store_true",
                    help="keep serving /metrics after the runs, until Ctrl-C")
+
+
+def _measure_limit(when: str) -> float | None:
+    _progress(f"this machine's limit {when}: samples rendered by one process, then by two "
+              "at once ...")
+    ratio = machine_limit()
+    told = f"{ratio:.2f}x one's samples/s" if ratio is not None else "not measured"
+    _progress(f"this machine's limit {when}: two processes at once gave {told}", final=True)
+    return ratio
 
 
 def run(args: argparse.Namespace) -> int:
@@ -227,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"serving /metrics at {server.url}/metrics (point a Prometheus or "
           f"`dataloader-exporter top --url {server.url}/metrics` at it)", flush=True)
+    before = _measure_limit("before the runs")
     third = args.duration / 3
     starved = run_phase("starved", {"num_workers": 0}, third, args.samples)
     print("\ndoctor on the starved run:")
@@ -235,16 +390,17 @@ def run(args: argparse.Namespace) -> int:
     for r in starved.diagnosis.recommendations:
         print(f"  {r.setting}={r.value}: {r.why}")
     tuned = run_phase("tuned", recommended(starved.diagnosis), third, args.samples)
-    print("\nauto: from num_workers=0, the loader tunes itself (tune=True)",
+    print("\nauto: from num_workers=0, the loader tunes itself (tune=num_workers, "
+          "prefetch_factor, persistent_workers)",
           flush=True)
     auto = run_phase("auto", {"num_workers": 0}, third, args.samples, tune=True)
+    limit = Limit(before, _measure_limit("after the runs"))
     print()
-    print(table([starved, tuned, auto]))
-    speedup = tuned.samples_per_second / starved.samples_per_second
-    print(f"\nspeed-up: {speedup:.2f}x samples/s")
-    print(f"auto: {auto.samples_per_second / starved.samples_per_second:.2f}x the starved "
-          f"run's samples/s, {auto.samples_per_second / tuned.samples_per_second:.2f}x the "
-          f"doctor's settings'")
+    print(table([starved, tuned, auto], limit.ratio))
+    print()
+    print(limit.line())
+    print(f"auto: {auto.samples_per_second / tuned.samples_per_second:.2f}x the doctor's "
+          "settings' samples/s")
     if args.keep_serving:
         print(f"still serving {server.url}/metrics; Ctrl-C to stop", flush=True)
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pty
 import re
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from support.procs import REPO
 from support.torch_helpers import SleepDataset
 
-from dataloader_exporter import instrument
+from dataloader_exporter import demo, instrument
 from dataloader_exporter.core import advisor
 from dataloader_exporter.diagnosis import top
 from dataloader_exporter.diagnosis.signals import Scrape, Window, loaders
@@ -112,18 +113,30 @@ def test_the_demo_runs_three_configurations_and_the_auto_one_settles() -> None:
     holds on a busy machine too (the demo's speed-ups are bench/tuner.py's business): the
     starved loop waits, the doctor says what to set and its settings are the second
     column, the tuner's first move is the model's count and the column shows the setting
-    it settled on, within the rank's cores (the demo's samples cost CPU)."""
+    it settled on, within the rank's cores (the demo's samples cost CPU), and each
+    speed-up is shown beside the machine's limit measured in the same run, whatever its
+    value."""
     result = subprocess.run([sys.executable, "-m", "dataloader_exporter", "demo",
                              "--duration", "10", "--port", "0", "--samples", "256"],
                             capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr
     out, err = result.stdout, result.stderr
-    for row in ("input stall share", "samples/s", "measured over", "epoch time",
-                "time to first batch", "doctor's verdict"):
+    for row in ("input stall share", "samples/s", "speed-up", "measured over",
+                "others' CPU use", "epoch time", "time to first batch", "doctor's verdict"):
         assert row in out
     assert re.search(r"^\s+starved\s+tuned\s+auto\s*$", out, re.MULTILINE), out
     assert "input-bound" in _row(out, "doctor's verdict")[0], out
-    assert re.search(r"speed-up: [\d.]+x", out), out
+    # Each speed-up beside the machine's limit, measured in the same run, and said what it is.
+    [line] = re.findall(r"^of ([\d.]+)x: this machine's limit, what two processes gave "
+                        r"against one, .*\(([\d.]+)x before the runs, ([\d.]+)x after\)$",
+                        out, re.MULTILINE)
+    limit, before, after = map(float, line)
+    assert limit > 0 and abs(limit - (before + after) / 2) <= 0.011, out
+    first, *others = _row(out, "speed-up")
+    assert first == "1.00x", out
+    assert [re.sub(r"^[\d.]+x of ", "", c) for c in others] == [f"{line[0]}x"] * 2, out
+    # What other processes used meanwhile, whatever it was.
+    assert all(re.fullmatch(r"\d+\.\d of \d+ cores", c) for c in _row(out, "others' CPU use")), out
     starved, doctored, auto = _row(out, "settings")
     advised = re.search(r"^\s+num_workers=(\d+): ", out, re.MULTILINE)
     assert advised is not None, out
@@ -136,6 +149,31 @@ def test_the_demo_runs_three_configurations_and_the_auto_one_settles() -> None:
     assert int(settled[-1]) <= advisor.local_cpu().usable + 1, out
     assert _row(out, "measured over")[2].endswith("epochs, settled"), out
     assert all(float(r) > 0 for r in _row(out, "samples/s")), out
+
+
+def test_the_machine_limit_is_a_ratio_and_leaves_no_child() -> None:
+    earlier = set(multiprocessing.active_children())  # other tests' loaders' workers
+    limit = demo.machine_limit(seconds=0.02, rounds=1)
+    assert limit is not None and limit > 0
+    assert set(multiprocessing.active_children()) <= earlier
+
+
+def test_an_interrupted_limit_measurement_leaves_no_child() -> None:
+    """The interrupt lands while the children start or render (a turn lasts 5 s), as
+    Ctrl-C would."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    earlier = set(multiprocessing.active_children())
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            demo.machine_limit(seconds=5, rounds=1)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert set(multiprocessing.active_children()) <= earlier
 
 
 def test_top_without_a_terminal_exits_2_with_one_line_pointing_at_the_doctor() -> None:

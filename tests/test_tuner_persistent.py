@@ -157,19 +157,26 @@ def test_what_auto_cannot_keep_it_leaves_and_says_why(
         "(_own_init) runs at each worker's start" in keep_log.text
 
 
+@pytest.mark.parametrize("where", ["env", "code"])
 def test_persistent_true_beside_auto_workers_makes_the_tuners_pools_persistent(
         registry: CollectorRegistry, keep_log: pytest.LogCaptureFixture,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     """A loader built without workers, whose samples wait on storage: the tuner adds
-    workers, persistent from its first pool; the order is an untuned loader's."""
-    monkeypatch.setenv("DATALOADER_EXPORTER_SETTINGS",
-                       "store.num_workers=auto,store.persistent_workers=true")
+    workers, persistent from its first pool; the order is an untuned loader's. Asked in
+    the settings line, or in code (persistent_workers=True with num_workers=0, which
+    torch alone refuses)."""
     data = SleepDataset(96, delay=0.004)
     bare = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True,
                                        generator=torch.Generator().manual_seed(3))
+    if where == "env":
+        monkeypatch.setenv("DATALOADER_EXPORTER_SETTINGS",
+                           "store.num_workers=auto,store.persistent_workers=true")
+        asked: dict[str, Any] = {}
+    else:
+        asked = {"num_workers": 0, "persistent_workers": True, "tune": True}
     tuned = instrument.DataLoader(data, batch_size=8, shuffle=True, name="store",
                                   generator=torch.Generator().manual_seed(3),
-                                  registry=registry)
+                                  registry=registry, **asked)
 
     def order(loader: Any, epochs: int) -> tuple[list[list[int]], list[tuple[int, ...]]]:
         seen, pools = [], []
@@ -184,7 +191,8 @@ def test_persistent_true_beside_auto_workers_makes_the_tuners_pools_persistent(
     assert tuned.num_workers >= 2 and tuned.persistent_workers is True
     assert pools[-1] and pools[-1] == pools[-2], pools  # kept across the last epochs
     assert "not applied" not in keep_log.text
-    assert "the tuner's worker pools will be persistent" in keep_log.text
+    if where == "env":
+        assert "the tuner's worker pools will be persistent" in keep_log.text
     assert "set persistent_workers=True" not in keep_log.text  # no advice to do what it does
 
 
