@@ -7,7 +7,8 @@ MIN_GAIN):
 
 - more (workers, queue): kept when at least the bar faster; otherwise measured again (up
   to RETRIES more windows: one bad window on a busy machine does not rule a direction
-  out), then undone;
+  out), then kept when its windows' mean is still MIN_GAIN faster (faster, if within the
+  noise: never slower), else undone;
 - fewer: kept when no more than MIN_GAIN slower (the same speed with fewer workers is a
   gain in itself); undone when more than the bar slower; in between, measured again.
 
@@ -67,7 +68,7 @@ class Judge:
         else:
             verdict = ("keep" if gain >= -MIN_GAIN else "undo" if gain < -bar else "again")
         if verdict == "again" and len(self.trial) > RETRIES:
-            verdict = "keep" if not more and gain >= -bar else "undo"
+            verdict = "keep" if gain >= (MIN_GAIN if more else -bar) else "undo"
         if verdict != "again":
             self.trial = []
         return verdict, mean

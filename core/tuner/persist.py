@@ -27,7 +27,8 @@ def keep_pool(epoch: Epoch, budget: Budget) -> tuple[bool, str]:
     if workers <= 0 or epoch.start_share is None or epoch.start_s is None:
         return False, "no pool started at the epoch's iter()"
     wall = epoch.start_s / epoch.start_share if epoch.start_share > 0 else 0.0
-    start = (f"its {workers} worker{'s' if workers != 1 else ''}' start held the first batch "
+    whose = "worker's" if workers == 1 else "workers'"
+    start = (f"its {workers} {whose} start held the first batch "
              f"{epoch.start_s:.2f} s, {epoch.start_share:.0%} of a {wall:.2f} s epoch")
     if epoch.start_share < bands.MODERATE:
         return False, f"{start}: under {bands.MODERATE:.0%}"
