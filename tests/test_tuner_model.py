@@ -248,15 +248,24 @@ def test_the_limits_room_is_for_workers_beyond_those_running() -> None:
 
 def test_a_retune_that_finds_nothing_better_waits_twice_as_long_each_time() -> None:
     """A neighbour takes one of the two cores the budget counts: the model keeps asking
-    for 2 workers, which are no faster than none. The tuner tries them again, but each
-    time it settles back at none it waits twice as many windows before the next try."""
+    for 2 workers, which are no faster than one. The tuner tries them again, but each
+    time it settles back at one it waits twice as many windows before the next try. From
+    none, the model's first workers, no slower, are kept (the doctor advises them too):
+    it never goes back to none."""
     busy = Pipe(fetch=0.008, cpu=0.008, loop=0.0001, loop_cpu=0.0001, cpus=1.0)
-    rng, tuner, workers = random.Random(0), Tuner(Setting(0, 2)), []
-    for _ in range(150):
-        workers.append(tuner.current.workers)
-        tuner.observe(busy.window(tuner.current, rng), Budget(1, 32 * GiB, 16 * GiB, 2.0))
-    tries = [i for i, (a, b) in enumerate(itertools.pairwise(workers)) if a == 0 < b]
+
+    def run(start: int) -> tuple[Tuner, list[int]]:
+        rng, tuner, workers = random.Random(0), Tuner(Setting(start, 2)), []
+        for _ in range(150):
+            workers.append(tuner.current.workers)
+            tuner.observe(busy.window(tuner.current, rng), Budget(1, 32 * GiB, 16 * GiB, 2.0))
+        return tuner, workers
+
+    tuner, workers = run(1)
+    tries = [i for i, (a, b) in enumerate(itertools.pairwise(workers)) if a == 1 < b]
     gaps = [b - a for a, b in itertools.pairwise(tries)]
     assert 2 <= len(tries) <= 6 and gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], tries
-    assert workers.count(0) >= 0.85 * len(workers), workers
+    assert workers.count(1) >= 0.85 * len(workers), workers
     assert tuner.retuned == "doubt"  # the model's ask, not a drift of the rate
+    _, workers = run(0)
+    assert workers[0] == 0 and 0 not in workers[1:], workers

@@ -8,7 +8,9 @@ MIN_GAIN):
 - more (workers, queue): kept when at least the bar faster; otherwise measured again (up
   to RETRIES more windows: one bad window on a busy machine does not rule a direction
   out), then kept when its windows' mean is still MIN_GAIN faster (faster, if within the
-  noise: never slower), else undone;
+  noise: never slower), else undone. A loader's first workers, which the model predicts
+  faster past the bar (trusted), are kept then unless slower past the bar: on a busy
+  machine the prediction says more than a few noisy windows;
 - fewer: kept when no more than MIN_GAIN slower (the same speed with fewer workers is a
   gain in itself); undone when more than the bar slower; in between, measured again.
 
@@ -55,9 +57,11 @@ class Judge:
     def bar(self) -> float:
         return min(MAX_BAR, max(MIN_GAIN, 2 * self.noise()))
 
-    def verdict(self, rate: float, best: float, more: bool) -> tuple[Verdict, float]:
+    def verdict(self, rate: float, best: float, more: bool,
+                trusted: bool = False) -> tuple[Verdict, float]:
         """The trial's verdict after one more window at `rate`, and the rate judged (the
-        mean of the trial's windows)."""
+        mean of the trial's windows); trusted: a trial of more the model predicts faster
+        past the bar (module docstring)."""
         self.trial.append(rate)
         mean = statistics.fmean(self.trial)
         if best <= 0:
@@ -68,7 +72,7 @@ class Judge:
         else:
             verdict = ("keep" if gain >= -MIN_GAIN else "undo" if gain < -bar else "again")
         if verdict == "again" and len(self.trial) > RETRIES:
-            verdict = "keep" if gain >= (MIN_GAIN if more else -bar) else "undo"
+            verdict = "keep" if gain >= (MIN_GAIN if more and not trusted else -bar) else "undo"
         if verdict != "again":
             self.trial = []
         return verdict, mean

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from dataloader_exporter.core import bands
 from dataloader_exporter.core.tuner.judge import Judge
-from dataloader_exporter.core.tuner.model import ceiling, choose
+from dataloader_exporter.core.tuner.model import ceiling, choose, predict
 from dataloader_exporter.core.tuner.types import Budget, Decision, Epoch, Setting
 
 MAX_TRIALS = 8  # then the tuner is stable, whatever the figures say
@@ -78,6 +78,9 @@ class Tuner:
     _backoff: int = 1  # multiplies the windows of a drift or doubt (doubled by a vain retune)
     _left: Setting | None = None  # the setting a retune left, until it settles
     retuned: str = ""  # why it last tuned again once settled: "drift" or "doubt"
+    # The trial now running is a loader's first workers, which the model predicts faster
+    # past the bar: kept unless measured slower past the noise (judge.py).
+    _trusted: bool = False
     # Why it added fewer workers than it wanted: the copies they will make of the dataset
     # (Epoch.worker_to_come) would not fit in memory; "" until then.
     memory_note: str = ""
@@ -110,10 +113,11 @@ class Tuner:
         rate = epoch.samples_per_s
         if self._trying is not None:
             trying = self._trying
-            verdict, rate = self._judge.verdict(rate, self.best_rate, trying.endswith("+"))
+            verdict, rate = self._judge.verdict(rate, self.best_rate, trying.endswith("+"),
+                                                self._trusted)
             if verdict == "again":  # within the noise: one more window of the same
                 return None
-            self._trying = None
+            self._trying, self._trusted = None, False
             if verdict == "undo":
                 self._exhausted.add(trying)
                 return self._revert(epoch, trying, rate)
@@ -239,10 +243,14 @@ class Tuner:
             return None
         if n > 0 and (epoch.waiting_cpu is None or epoch.waiting_cpu >= bands.CPU_CONTENTION):
             return None
+        trusted = False
         if self._modelled(epoch):
             assert epoch.load is not None and self.budget.cpus is not None
             want = choose(epoch.load, self.budget.cpus, self._cap(epoch))
             why = f"{epoch.load.line()}; loop waited {epoch.stall:.0%}, {self.budget.cpus:g} cores"
+            trusted = n == 0 and want > 0 and predict(
+                epoch.load, want, self.budget.cpus) >= (1 + self._judge.bar()) * predict(
+                epoch.load, 0, self.budget.cpus)
         else:
             if n > 0 and (epoch.running is None or epoch.running < BUSY):
                 return None
@@ -262,6 +270,7 @@ class Tuner:
                 "left hold no more of them")
         if want <= n:
             return None
+        self._trusted = trusted
         return Decision(replace(epoch.setting, workers=want), "num_workers", n, want,
                         "starved", why)
 
