@@ -12,7 +12,7 @@ FOLDERS = ("core", "exporter", "instrument", "diagnosis", "dashboards", "dataloa
 LIMITS = {".py": 450, ".c": 650}
 LONGER: dict[str, tuple[int, str]] = {
     # name: (its bound, why it is one file)
-    "instrument/tuner/loop.py": (530, "LoaderTuning is one class: one tuned loader's "
+    "instrument/tuner/loop.py": (545, "LoaderTuning is one class: one tuned loader's "
                                  "tuner at iter(), in windows mid-epoch and in a long "
                                  "epoch; split, its state would be shared across files"),
 }
