@@ -175,12 +175,14 @@ class WorkerTracker:
         return key
 
     def stop(self, key: int) -> None:
-        """Its workers ended on purpose (the end of a non-persistent epoch): stop watching."""
+        """Its workers ended on purpose (the end of a non-persistent epoch): stop watching.
+        Told again (the next iter() while the old iterator is still held), it counts
+        nothing more: its workers' own figures are counted once."""
         with self._lock:
             self._fold_collected()
             gen = self._live.get(key)
             self._stops += 1
-            if gen is not None:
+            if gen is not None and gen.watched:
                 gen.watched = False
                 if gen.block is not None:  # a pool too short for two /proc readings
                     self.proc.unsampled(own_figures(gen.block))

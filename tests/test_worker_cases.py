@@ -303,9 +303,13 @@ def test_a_worker_that_ended_cleanly_is_not_lost_when_another_raises(tmp_path: P
     assert registry.get_sample_value(cat.FAILURES.name, {**lr, "cause": "error"}) == 1
 
 
-def test_worker_time_is_left_out_when_workers_live_shorter_than_a_reading() -> None:
-    """Epochs of a fraction of a second without persistent workers: each worker is read at
-    most once, so there is no interval to count: unknown, not 0."""
+def test_worker_time_is_left_out_when_workers_live_shorter_than_a_reading(clock: Clock
+                                                                           ) -> None:
+    """Epochs of a fraction of a second without persistent workers, their workers read at
+    each batch as a scrape would, on the test's clock (0.1 s a batch): each worker is read
+    once, its pool gone before a second reading is due, so there is no interval to count:
+    unknown, not 0. On the machine's clock, a loaded machine can stretch such an epoch past
+    the reading interval: its workers are then read twice, a measured interval (below)."""
     from prometheus_client import CollectorRegistry
     from support.torch_helpers import SleepDataset
 
@@ -314,10 +318,70 @@ def test_worker_time_is_left_out_when_workers_live_shorter_than_a_reading() -> N
     registry = CollectorRegistry()
     loader = instrument.DataLoader(SleepDataset(4), batch_size=2, num_workers=2, name="t",
                                    registry=registry)
-    end = time.monotonic() + 2.0
-    while time.monotonic() < end:
+    rec = loader._instruments.rec
+    assert rec.workers.min_interval > 0.1  # an epoch's two batches: one reading
+    for _ in range(8):  # pools one after another, each its own pids
         for _ in loader:
-            registry.get_sample_value(cat.BATCHES.name, {"loader": "t", "rank": "0"})
+            clock.advance(0.1)
+            rec.flush(now=clock())
     lr = {"loader": "t", "rank": "0"}
     assert registry.get_sample_value(cat.WORKER_TIME.name, {**lr, "state": "running"}) is None
     assert registry.get_sample_value(cat.WORKER_MAX_RSS.name, lr)  # memory is still read
+
+
+def test_workers_read_twice_while_a_batch_flows_have_their_time_known_even_when_idle(
+        clock: Clock) -> None:
+    """The same epoch with its two batches a reading interval apart (a loaded machine):
+    each worker is read twice while the loader hands out a batch, a measured interval. Its
+    time is known, and said: running is a number (0 where the workers had made their
+    batches before it began), never left out."""
+    from prometheus_client import CollectorRegistry
+    from support.torch_helpers import SleepDataset
+
+    from dataloader_exporter import instrument
+
+    registry = CollectorRegistry()
+    loader = instrument.DataLoader(SleepDataset(4), batch_size=2, num_workers=2, name="t",
+                                   registry=registry)
+    rec = loader._instruments.rec
+    for _ in loader:
+        rec.flush(now=clock())
+        clock.advance(rec.workers.min_interval)
+    lr = {"loader": "t", "rank": "0"}
+    got = {st: registry.get_sample_value(cat.WORKER_TIME.name, {**lr, "state": st})
+           for st in cat.WORKER_STATES}
+    assert None not in got.values() and min(v or 0.0 for v in got.values()) >= 0, got
+
+
+def test_a_pool_stopped_twice_counts_its_workers_own_time_once() -> None:
+    """The next iter() stops the last pool again while the loop still holds its iterator:
+    its workers' own figures (an epoch too short for two /proc readings) count once."""
+    from dataloader_exporter.instrument.hotpath.layout import (
+        CPU,
+        FIRST_BEAT,
+        FIRST_CPU,
+        FIRST_WAIT,
+        HEARTBEAT,
+        PID,
+        WAIT,
+    )
+    from dataloader_exporter.instrument.hotpath.workerblock import new_block
+    from dataloader_exporter.instrument.worker_tracker import WorkerTracker
+
+    class Iterator:  # weak-referenceable, as torch's is
+        pass
+
+    block = new_block(1)
+    ms = 1_000_000
+    for field, value in ((PID, 4_000_000), (FIRST_CPU, 5 * ms), (CPU, 105 * ms),
+                         (FIRST_WAIT, 0), (WAIT, 50 * ms), (FIRST_BEAT, 10**18),
+                         (HEARTBEAT, 10**18 + 400 * ms)):
+        block[0, field] = value
+    tracker = WorkerTracker()
+    it = Iterator()
+    key = tracker.start(it, block, [])
+    tracker.stop(key)  # the epoch's end
+    tracker.stop(key)  # the next iter(), the old iterator still held
+    fig = tracker.proc_figures()
+    assert fig is not None
+    assert (fig.running_ns, fig.waiting_ns, fig.blocked_ns) == (100 * ms, 50 * ms, 250 * ms)
