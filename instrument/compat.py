@@ -1,7 +1,8 @@
 """Every use of a private torch attribute lives here, via getattr(..., None).
 
-Read-only, but for the tuner's rebuild of a persistent pool (shut_down) and the seed it
-gives a pool it keeps (resume_with_seed, reseed_worker). Checked against
+Read-only, but for the tuner's rebuild of a persistent pool (shut_down), the seed it
+gives a pool it keeps (resume_with_seed, reseed_worker) and a kept pool's queue depth
+(deepen). Checked against
 torch 2.13.0 (and the 2.x layout since 1.7): a multi-process DataLoader iterator keeps
 its worker processes in ``_workers``, a list of multiprocessing.Process objects, and a
 DataLoader with persistent workers keeps its iterator in ``_iterator``; the worker Process
@@ -71,6 +72,17 @@ def shut_down(loader: Any, iterator: Any) -> bool:
         shutdown()
     finally:  # even a failed shutdown leaves no pool for torch's next iter() to reuse
         loader._iterator = None
+    return True
+
+
+def deepen(iterator: Any, prefetch: int) -> bool:
+    """Sets the batches per worker a persistent iterator keeps in flight from its next
+    iter() on, its pool kept: torch 2.13 primes and refills its queue from
+    ``_prefetch_factor`` (since 1.7), read at each _reset() and batch. False, and nothing
+    set, where the attribute is missing (the pool is then rebuilt)."""
+    if not isinstance(getattr(iterator, "_prefetch_factor", None), int) or prefetch < 1:
+        return False
+    iterator._prefetch_factor = prefetch
     return True
 
 

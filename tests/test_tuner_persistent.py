@@ -212,3 +212,33 @@ def test_a_pool_is_kept_when_its_start_stalls_the_epoch_and_memory_holds_it_twic
     assert not keep_pool(_epoch(0.5, 5.0, worker_bytes=None), room)[0]
     assert not keep_pool(_epoch(0.5, 5.0), Budget(cores=2))[0]  # room unknown
     assert not keep_pool(_epoch(None, 5.0), room)[0]  # no pool started at iter()
+
+
+def test_a_deeper_queue_keeps_a_persistent_pool_and_its_batches(
+        registry: CollectorRegistry, keep_log: pytest.LogCaptureFixture) -> None:
+    """A prefetch_factor change between epochs of a persistent pool: the same workers,
+    their queue deeper from the next epoch on, the batches torch's persistent loader
+    gives (a rebuilt pool would have drawn a new base seed)."""
+    from dataloader_exporter.core.tuner.types import Decision
+
+    bare = torch.utils.data.DataLoader(Random(), batch_size=BATCH, shuffle=True,
+                                       num_workers=2, persistent_workers=True,
+                                       generator=torch.Generator().manual_seed(5))
+    expected, _ = run(bare, epochs=3)
+    tuned = instrument.DataLoader(Random(), batch_size=BATCH, shuffle=True, num_workers=2,
+                                  persistent_workers=True, name="deeper", registry=registry,
+                                  generator=torch.Generator().manual_seed(5),
+                                  tune=("prefetch_factor",))
+    torch.manual_seed(17)
+    first = [x for batch in tuned for x in as_items(batch)]
+    pool = compat.worker_pids(compat.persistent_iterator(tuned))
+    tuning = tuned._instruments.tuning
+    assert tuning is not None
+    deeper = Decision(Setting(2, 4), "prefetch_factor", 2, 4, "bursty", "a test")
+    assert tuning._apply(tuned, deeper, tuned._instruments.forget_workers) is None
+    rest = [[x for batch in tuned for x in as_items(batch)] for _ in range(2)]
+    assert [first, *rest] == expected
+    assert compat.worker_pids(compat.persistent_iterator(tuned)) == pool
+    assert compat.persistent_iterator(tuned)._prefetch_factor == 4 == tuned.prefetch_factor
+    assert "prefetch_factor 2 -> 4: a test" in keep_log.text
+    assert "start anew" not in keep_log.text

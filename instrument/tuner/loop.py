@@ -267,7 +267,10 @@ class LoaderTuning:
         try:  # both or neither: torch needs a prefetch_factor with workers
             loader.prefetch_factor = s.prefetch if s.workers else None
             loader.num_workers = s.workers
-            if old is not None and not compat.shut_down(loader, old):
+            if (old is not None and s.workers == before[0]
+                    and compat.deepen(old, s.prefetch)):
+                old = None  # the same pool, its queue's depth changed at its next iter()
+            elif old is not None and not compat.shut_down(loader, old):
                 raise RuntimeError("cannot end its persistent workers (torch's private "
                                    "_iterator or _shutdown_workers is missing)")
         except BaseException:
