@@ -239,6 +239,7 @@ def test_a_deeper_queue_keeps_a_persistent_pool_and_its_batches(
     rest = [[x for batch in tuned for x in as_items(batch)] for _ in range(2)]
     assert [first, *rest] == expected
     assert compat.worker_pids(compat.persistent_iterator(tuned)) == pool
-    assert compat.persistent_iterator(tuned)._prefetch_factor == 4 == tuned.prefetch_factor
+    # 4, or deeper where the tuner's own rule deepened it again: the same pool either way.
+    assert compat.persistent_iterator(tuned)._prefetch_factor == tuned.prefetch_factor >= 4
     assert "prefetch_factor 2 -> 4: a test" in keep_log.text
     assert "start anew" not in keep_log.text
