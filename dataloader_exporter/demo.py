@@ -5,11 +5,11 @@ work (rendering and filtering a noisy image). First a starved configuration
 (num_workers=0, no persistent workers), then the settings the doctor recommends for it,
 then a loader that tunes itself (num_workers, prefetch_factor and persistent_workers)
 from num_workers=0, all instrumented, while /metrics is served on 127.0.0.1. It ends
-with a side-by-side table. The main process uses one torch thread, as DataLoader workers do, so the runs share the
-machine's cores the same way. The speed-ups are judged against the machine as it is:
-before and after the runs the demo measures what two processes rendering these samples
-at once give against one (``machine_limit``), and prints each speed-up beside it, and for
-each run how much CPU other processes used meanwhile.
+with a side-by-side table. The main process uses one torch thread, as DataLoader workers
+do, so the runs share the machine's cores the same way. The speed-ups are judged against
+the machine as it is: before and after the runs the demo measures what two processes
+rendering these samples at once give against one (``machine_limit``), and prints each
+speed-up beside it, and for each run how much CPU other processes used meanwhile.
 """
 
 from __future__ import annotations
