@@ -147,7 +147,9 @@ def test_the_demo_runs_three_configurations_and_the_auto_one_settles() -> None:
     assert settled, err
     assert auto.startswith(f"num_workers={settled[-1]}"), out
     assert int(settled[-1]) <= advisor.local_cpu().usable + 1, out
-    assert _row(out, "measured over")[2].endswith("epochs, settled"), out
+    # Settled (the stable line above); a loader watched after it may be trying again at
+    # the end, at the settings it settled on (checked above).
+    assert re.search(r"epochs, (settled|still tuning)$", _row(out, "measured over")[2]), out
     assert all(float(r) > 0 for r in _row(out, "samples/s")), out
 
 

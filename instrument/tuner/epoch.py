@@ -145,7 +145,10 @@ def epoch_since(rec: LoaderRecorder, mark: Mark, name: str, flush: bool = True,
     active = rec.workers.active or 0
     to_come = _to_come(fig, active, rec.dataset_objects)
     each = _worker_bytes(fig, active)
-    start_s = (first - mark.t_ns) / 1e9 if mark.fresh_pool and first > mark.t_ns else None
+    # A new pool's start: the wait for the first batch past a steady batch's time (what a
+    # kept pool, whose first batch still takes one, saves).
+    start_s = (max(0.0, (first - mark.t_ns) / 1e9 - (end - first) / 1e9 / max(1, batches - 1))
+               if mark.fresh_pool and first > mark.t_ns else None)
     epoch = Epoch(mark.setting, done / wall, max(0.0, min(1.0, 1 - step_s / steady)),
                   shares[0], shares[1], shares[2],
                   None if each is None else each + to_come,
