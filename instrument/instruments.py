@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,12 +32,12 @@ from .rank import current_rank, local_world_size
 
 if TYPE_CHECKING:  # the tuner is loaded for a tuned loader only
     from .tuner.loop import LoaderTuning
+    from .tuner.order import Wrap
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
 FINE_READ = 0.25  # seconds between readings of a loader tuned in windows mid-epoch
 PROBE_EVERY = 1 << 15  # batches between readings of a tuned epoch (recorder.MAX_UNREAD / 4)
-TorchIter = Callable[[Any], Any]  # a loader's own __iter__ (torch's, or a subclass's)
 WAIT_WRITE = 1.0  # seconds the loop's exception waits for the snapshot of a dead worker
 
 
@@ -117,7 +116,7 @@ class Instruments:
                                   grown, rec.dataset_objects[:1])
         self._failures.problem(cause, "dataloader %r%s: %s", log_name(self.name), who, text)
 
-    def at_iter(self, loader: Any) -> Callable[[TorchIter], TorchIter] | None:
+    def at_iter(self, loader: Any) -> Wrap | None:
         """Before torch's iter(): the tuner's change, if the loader is tuned (tuner/loop.py).
         Returns what torch's __iter__ is to be wrapped in for the pool it rebuilt or
         kept, else None."""

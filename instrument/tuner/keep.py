@@ -49,7 +49,7 @@ from .. import compat
 from ..cowscan import attribute_of, members
 from ..envsettings import once
 from ..torch_originals import MARK, TORCH_ITER, self_timed
-from .order import lazy_sampler
+from .order import Wrap, lazy_sampler
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
@@ -119,8 +119,9 @@ class Keeping:
         self.why_not: str | None = None  # why auto cannot keep it (said once)
         self.final = False  # auto's verdict not to keep it stands (the tuner settled)
         self._print: list[object] | None = None  # the dataset's values at the last iter()
-        init_fn = getattr(loader, "worker_init_fn", None)
-        self._init_fn = init_fn if init_fn is not None and seeding(init_fn) else None
+        self._user_init = getattr(loader, "worker_init_fn", None)
+        self._init_fn = (self._user_init if self._user_init is not None
+                         and seeding(self._user_init) else None)  # run again at each epoch
         own = getattr(type(loader), "__iter__", None)
         # Each epoch's seeds, where the untuned loader would start a new pool each epoch and
         # torch's own __iter__ runs at iter() (a subclass's may run it later, or not at all).
@@ -139,7 +140,7 @@ class Keeping:
             return (f"its sampler ({type(index).__qualname__}) draws its order when an "
                     "iterator is built, which a kept pool does once per epoch and a new one "
                     "twice")
-        init_fn = getattr(loader, "worker_init_fn", None)
+        init_fn = self._user_init
         if init_fn is not None and self._init_fn is None:
             return (f"its worker_init_fn ({getattr(init_fn, '__qualname__', type(init_fn))}) "
                     "runs at each worker's start, which a kept pool would not repeat")
@@ -189,8 +190,7 @@ class Keeping:
                          "keeps no pool: %s", log_name(self.name), self.why_not)
 
     def prepare(self, loader: Any, forget_workers: Callable[[], None]
-                ) -> tuple[Callable[[Callable[[Any], Any]], Callable[[Any], Any]] | None,
-                           str | None]:
+                ) -> tuple[Wrap | None, str | None]:
         """At iter(), after the tuner's change: the loader's persistent_workers set as its
         pool is to be (never for "torch"), and for a pool reused where the untuned loader
         would start a new one, its workers' seeds. Returns a wrapper of torch's __iter__

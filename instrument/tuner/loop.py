@@ -51,7 +51,7 @@ from ..hotpath.recorder import LoaderRecorder
 from .budget import budget
 from .epoch import MIN_BATCHES, Mark, epoch_since, paused, setting_of, take_mark
 from .keep import Keeping
-from .order import fresh_seed, order_bound
+from .order import Wrap, fresh_seed, order_bound
 
 log = logging.getLogger("dataloader_exporter.instrument")
 
@@ -85,9 +85,6 @@ def say_failed(name: str, now: int, back: int, error: Exception, epoch: str) -> 
 
 ITERABLE = ("its IterableDataset's worker count decides how its stream is split, so it is "
             "set for the next run, not this one")
-
-TorchIter = Callable[[Any], Any]
-Wrap = Callable[[TorchIter], TorchIter]
 
 
 def persist_mode(loader: Any, knobs: tuple[str, ...], wish: bool) -> str:
@@ -195,7 +192,7 @@ class LoaderTuning:
                             self._drifted()
                         if decision is not None:
                             seed = self._apply(loader, decision, forget_workers)
-                wrap = self._keep(loader, epoch, forget_workers)
+                wrap = self._keep(loader, forget_workers)
                 self._say_stable()
                 if not self.tuner.stable or self.rec.tuner_stable or self._deciding():
                     pool = compat.persistent_iterator(loader)
@@ -240,10 +237,10 @@ class LoaderTuning:
         elif self.tuner.stable:
             keeping.final = True
 
-    def _keep(self, loader: Any, epoch: Epoch | None, forget_workers: Callable[[], None]
-              ) -> Wrap | None:
-        """persistent_workers under the tuner (keep.py): auto's verdict on the epoch's
-        pool, then the loader's pool as it is to be at this iter()."""
+    def _keep(self, loader: Any, forget_workers: Callable[[], None]) -> Wrap | None:
+        """persistent_workers under the tuner (keep.py), auto's verdict made (_once): the
+        loader's pool as it is to be at this iter(), and a kept pool let go, counted and
+        said, where the training changed the dataset."""
         keeping = self.keeping
         wrap, changed = keeping.prepare(loader, forget_workers)
         if changed is not None:

@@ -18,6 +18,9 @@ import torch
 import torch.utils.data
 import torch.utils.data.distributed
 
+TorchIter = Callable[[Any], Any]  # a loader's own __iter__ (torch's, or a subclass's)
+Wrap = Callable[[TorchIter], TorchIter]  # what the tuner wraps it in for one iter()
+
 
 def order_bound(loader: Any, workers: int) -> str | None:
     """Why a new worker pool would change the order of this loader's batches, or None.
