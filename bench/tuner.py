@@ -268,22 +268,22 @@ KEPT = (8, 16, 32)  # fixed persistent worker counts the short-epoch classes com
 SHORT = ("storage-epochs", "storage-ddp")
 
 
-def _epochs(loader: Any, sampler: Any, step: Callable[[], None]
-            ) -> tuple[float, list[list[int]]]:
-    """Samples/s over the last LAST of EPOCHS epochs, and each epoch's sample indices."""
+def _epochs(loader: Any, sampler: Any, step: Callable[[], None], epochs: int = EPOCHS,
+            last: int = LAST) -> tuple[float, list[list[int]]]:
+    """Samples/s over the last `last` of `epochs` epochs, and each epoch's sample indices."""
     order: list[list[int]] = []
     t0, seen = 0.0, 0
-    for e in range(EPOCHS):
+    for e in range(epochs):
         if sampler is not None:
             sampler.set_epoch(e)
-        if e == EPOCHS - LAST:
+        if e == epochs - last:
             t0 = time.perf_counter()
         idx = []
         for batch in loader:
             idx += [int(i) for i in batch[0]]
             step()
         order.append(idx)
-        seen += len(idx) if e >= EPOCHS - LAST else 0
+        seen += len(idx) if e >= epochs - last else 0
     return seen / (time.perf_counter() - t0), order
 
 

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 @pytest.mark.parametrize("script", ["overhead.py", "scrape.py", "proc_sampling.py", "tuner.py",
                                     "background.py", "hot_floor.py", "short_lived.py",
-                                    "epoch_instructions.py", "cowscan.py"])
+                                    "epoch_instructions.py", "cowscan.py",
+                                    "tuner_libraries.py"])
 def test_each_benchmark_starts_and_explains_itself(script: str) -> None:
     result = subprocess.run([sys.executable, str(REPO / "bench" / script), "--help"],
                             capture_output=True, text=True, timeout=60, cwd=REPO)
@@ -47,6 +48,20 @@ def test_the_tuner_benchmark_reports_each_class_its_fixed_counts_and_the_tuned_r
     assert set(summary["checks"]) == {"cpu-trivial: tuned/best >= 0.90"}, summary
     for label, ok in summary["checks"].items():
         assert f"{'PASS' if ok else 'FAIL'}  {label}" in lines, lines
+
+
+def test_the_data_library_benchmark_decodes_real_samples_in_workers() -> None:
+    """The tokenizers class (a Rust tokenizer trained in the run, its samples read by
+    forked workers) for half a second a setting: structure only, as above."""
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "tuner_libraries.py"),
+                             "--classes", "tokenizers", "--fixed", "0.5", "--tuned", "2"],
+                            capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.splitlines()[-1])
+    got = summary["results"]["tokenizers"]
+    counts = [str(n) for n in range(summary["cores"] + 2)]
+    assert list(got["fixed"]) == counts and all(v > 0 for v in got["fixed"].values()), got
+    assert got["tuned"] > 0 and set(summary["checks"]) == {"tokenizers: tuned/best >= 0.90"}
 
 
 CHECKS = ("events", "bytes", "overlap", "nvml", "uuid")  # bench/gpu_check.py's
