@@ -190,6 +190,24 @@ def test_a_trial_within_the_noise_is_measured_again_before_it_is_judged() -> Non
     assert Judge().verdict(80, 100, more=False)[0] == "undo"
 
 
+def test_the_models_first_workers_get_one_window_more_and_stay_unless_slower_past_it() -> None:
+    """Trusted (the model predicts them faster past the bar): two slow windows, which
+    undo an untrusted trial, are measured once more; kept unless the mean of the three is
+    slower past the bar (5% here: no noise seen)."""
+    untrusted = Judge()
+    assert untrusted.verdict(90, 100, more=True)[0] == "again"
+    assert untrusted.verdict(99, 100, more=True)[0] == "undo"
+    trusted = Judge()
+    assert trusted.verdict(90, 100, more=True, trusted=True)[0] == "again"
+    assert trusted.verdict(99, 100, more=True, trusted=True)[0] == "again"
+    verdict, rate = trusted.verdict(100, 100, more=True, trusted=True)
+    assert verdict == "keep" and rate == pytest.approx(289 / 3)
+    for rate in (90, 92):
+        assert trusted.verdict(rate, 100, more=True, trusted=True)[0] == "again"
+    assert trusted.verdict(91, 100, more=True, trusted=True) == ("undo", 91)
+    assert Judge().verdict(90, 100, more=False, trusted=True)[0] == "undo"  # fewer: as before
+
+
 def test_measured_noise_raises_the_bar() -> None:
     judge = Judge()
     for rate in (100, 116, 92):  # one setting seen three times: +-12%

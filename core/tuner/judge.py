@@ -9,8 +9,8 @@ MIN_GAIN):
   to RETRIES more windows: one bad window on a busy machine does not rule a direction
   out), then kept when its windows' mean is still MIN_GAIN faster (faster, if within the
   noise: never slower), else undone. A loader's first workers, which the model predicts
-  faster past the bar (trusted), are kept then unless slower past the bar: on a busy
-  machine the prediction says more than a few noisy windows;
+  faster past the bar (trusted), get one window more and are kept then unless slower past
+  the bar: on a busy machine the prediction says more than a few noisy windows;
 - fewer: kept when no more than MIN_GAIN slower (the same speed with fewer workers is a
   gain in itself); undone when more than the bar slower; in between, measured again.
 
@@ -29,6 +29,7 @@ from typing import Literal
 MIN_GAIN = 0.05  # the smallest change in samples/s a trial is judged on
 MAX_BAR = 0.25  # however noisy, a trial 25% faster is kept
 RETRIES = 1  # more windows for a trial whose result is within the noise
+RETRIES_TRUSTED = 2  # for a trusted trial (the module docstring)
 DRIFT = 0.2  # a settled setting's rate falling this share below its own: tune again
 DRIFT_WINDOWS = 2  # windows running that must show the drift
 
@@ -71,7 +72,8 @@ class Judge:
             verdict: Verdict = "keep" if gain >= bar else "again"
         else:
             verdict = ("keep" if gain >= -MIN_GAIN else "undo" if gain < -bar else "again")
-        if verdict == "again" and len(self.trial) > RETRIES:
+        if verdict == "again" and len(self.trial) > (RETRIES_TRUSTED if more and trusted
+                                                     else RETRIES):
             verdict = "keep" if gain >= (MIN_GAIN if more and not trusted else -bar) else "undo"
         if verdict != "again":
             self.trial = []
