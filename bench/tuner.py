@@ -372,6 +372,16 @@ def short_class(name: str) -> dict[str, Any]:
     return r
 
 
+def verdicts(results: dict[str, Any], checks: dict[str, bool], cores: int, quick: bool,
+             strict: bool) -> int:
+    """Prints each check and the run's JSON summary (last); the exit status."""
+    for label, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {label}")
+    print(json.dumps({"results": results, "checks": checks, "cores": cores, "quick": quick,
+                      "torch": torch.__version__}, sort_keys=True))
+    return 1 if strict and not all(checks.values()) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--classes", default="cpu-trivial,cpu-step,storage,gpu-wait,busy,"
@@ -431,11 +441,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         checks[f"long: tuned/best >= {MIN_LONG:.2f}"] = r["ratio"] >= MIN_LONG
         checks["long: same sample order as untuned"] = r["same_order"]
-    for label, ok in checks.items():
-        print(f"{'PASS' if ok else 'FAIL'}  {label}")
-    print(json.dumps({"results": results, "checks": checks, "cores": cores,
-                      "quick": args.quick, "torch": torch.__version__}, sort_keys=True))
-    return 1 if args.strict and not all(checks.values()) else 0
+    return verdicts(results, checks, cores, args.quick, args.strict)
 
 
 if __name__ == "__main__":

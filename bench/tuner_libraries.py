@@ -45,7 +45,17 @@ from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from torch import nn
 from torch.utils.data import Dataset
-from tuner import BATCH, MIN_RATIO, CpuSamples, DemoStep, Kind, _epochs, nothing, one_class
+from tuner import (
+    BATCH,
+    MIN_RATIO,
+    CpuSamples,
+    DemoStep,
+    Kind,
+    _epochs,
+    nothing,
+    one_class,
+    verdicts,
+)
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import advisor
@@ -275,11 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"changes {r['changes']}", flush=True)
             checks[f"{name}: tuned/best >= {MIN_RATIO:.2f}"] = r["ratio"] >= MIN_RATIO
         results[name] = r
-    for label, ok in checks.items():
-        print(f"{'PASS' if ok else 'FAIL'}  {label}")
-    print(json.dumps({"results": results, "checks": checks, "cores": cores,
-                      "quick": args.quick, "torch": torch.__version__}, sort_keys=True))
-    return 1 if args.strict and not all(checks.values()) else 0
+    return verdicts(results, checks, cores, args.quick, args.strict)
 
 
 if __name__ == "__main__":
