@@ -40,7 +40,6 @@ epoch's sample indices against an untuned loader's (goal: equal):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -54,6 +53,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from _tuner_common import (
+    BATCH,
+    MIN_RATIO,
+    CpuSamples,
+    StorageSamples,
+    ddp_main,
+    report_short,
+    short_class,
+    verdicts,
+)
 from prometheus_client import CollectorRegistry
 from torch.utils.data import Dataset
 
@@ -63,42 +72,8 @@ from dataloader_exporter.core import catalogue as cat
 from dataloader_exporter.core.envnames import ENV_DIR
 from dataloader_exporter.demo import NoisyImages, model, train_step
 
-MIN_RATIO = 0.90  # tuned samples/s over the best fixed setting's, every class
 MIN_LONG = 0.85  # the 60-s epoch: tuned over the whole epoch, over the best fixed
-BATCH = 16
 WARM = 1.0  # seconds of a fixed setting's run not measured: its pool's start
-
-
-def burn(seconds: float) -> None:
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
-
-
-class CpuSamples(Dataset[tuple[int, torch.Tensor]]):
-    """Each sample costs `cpu` seconds of CPU; returns its index and a small tensor."""
-
-    def __init__(self, n: int, cpu: float) -> None:
-        self.n, self.cpu = n, cpu
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
-        burn(self.cpu)
-        return i, torch.full((64,), float(i))
-
-
-class StorageSamples(CpuSamples):
-    """Each sample waits `wait` seconds (storage latency), then costs `cpu` of CPU."""
-
-    def __init__(self, n: int, wait: float, cpu: float) -> None:
-        super().__init__(n, cpu)
-        self.wait = wait
-
-    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
-        time.sleep(self.wait)
-        return super().__getitem__(i)
 
 
 class DemoSamples(Dataset[tuple[int, torch.Tensor]]):
@@ -263,123 +238,7 @@ def long_epoch(kind: Kind, fixed_s: float, seconds: float) -> dict[str, Any]:
             "changes": changes(registry, "long-tuned")}
 
 
-EPOCHS, LAST, EPOCH_SAMPLES = 10, 3, 2048
-KEPT = (8, 16, 32)  # fixed persistent worker counts the short-epoch classes compare with
 SHORT = ("storage-epochs", "storage-ddp")
-
-
-def _epochs(loader: Any, sampler: Any, step: Callable[[], None], epochs: int = EPOCHS,
-            last: int = LAST) -> tuple[float, list[list[int]]]:
-    """Samples/s over the last `last` of `epochs` epochs, and each epoch's sample indices."""
-    order: list[list[int]] = []
-    t0, seen = 0.0, 0
-    for e in range(epochs):
-        if sampler is not None:
-            sampler.set_epoch(e)
-        if e == epochs - last:
-            t0 = time.perf_counter()
-        idx = []
-        for batch in loader:
-            idx += [int(i) for i in batch[0]]
-            step()
-        order.append(idx)
-        seen += len(idx) if e >= epochs - last else 0
-    return seen / (time.perf_counter() - t0), order
-
-
-def short_epochs(ddp: bool) -> dict[str, Any]:
-    """One process's (or, under torchrun, this rank's) short-epoch class (docstring)."""
-    import torch.distributed as dist
-
-    registry = CollectorRegistry()
-    ranks = dist.get_world_size() if ddp else 1
-    n = EPOCH_SAMPLES * ranks
-    data = StorageSamples(n, 0.004, 0.0002)
-
-    def sampler() -> Any:
-        return (torch.utils.data.distributed.DistributedSampler(range(n), shuffle=True,
-                                                                 seed=1) if ddp else None)
-
-    def build(cls: Any, name: str, over: Any = data, **kw: Any) -> tuple[Any, Any]:
-        s = sampler()
-        extra = {} if cls is torch.utils.data.DataLoader else {"name": name,
-                                                                "registry": registry}
-        return cls(over, batch_size=BATCH, sampler=s, shuffle=s is None,
-                   generator=torch.Generator().manual_seed(1), **extra, **kw), s
-
-    def step() -> None:
-        if ddp:
-            dist.all_reduce(torch.zeros(1))
-
-    rates: dict[str, float] = {}
-    orders: dict[str, list[list[int]]] = {}
-    for w in KEPT:
-        loader, s = build(instrument.DataLoader, f"kept-{w}", num_workers=w,
-                          persistent_workers=True)
-        rates[f"fixed-{w}"], _ = _epochs(loader, s, step)
-        del loader
-    both = ("num_workers", "prefetch_factor")
-    for label, kw in (("auto", {"tune": (*both, "persistent_workers")}),
-                      ("true", {"tune": both, "persistent_workers": True})):
-        loader, s = build(instrument.DataLoader, f"tuned-{label}", num_workers=0, **kw)
-        rates[label], orders[label] = _epochs(loader, s, step)
-        rates[f"{label}-workers"] = float(loader.num_workers)
-        del loader
-    bare, s = build(torch.utils.data.DataLoader, "", over=range(n))
-    orders["untuned"] = []
-    for e in range(EPOCHS):
-        if s is not None:
-            s.set_epoch(e)
-        orders["untuned"].append([int(i) for b in bare for i in b])
-    same = {label: orders[label] == orders["untuned"] for label in ("auto", "true")}
-    return {"rates": rates, "same": same}
-
-
-def _ddp_main() -> int:
-    """A rank of the storage-ddp class, under torchrun: prints rank 0's JSON."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    try:
-        torch.set_num_threads(1)
-        mine = short_epochs(ddp=True)
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    finally:
-        dist.destroy_process_group()
-    if os.environ.get("RANK") == "0":
-        rates = {k: sum(r["rates"][k] for r in everyone) for k in mine["rates"]
-                 if not k.endswith("-workers")}
-        rates.update({k: v for k, v in mine["rates"].items() if k.endswith("-workers")})
-        same = {k: all(r["same"][k] for r in everyone) for k in mine["same"]}
-        print("DDP " + json.dumps({"rates": rates, "same": same}), flush=True)
-    return 0
-
-
-def short_class(name: str) -> dict[str, Any]:
-    if name == "storage-epochs":
-        r = short_epochs(ddp=False)
-    else:
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                              "--nproc_per_node", "2", __file__, "--ddp-rank"],
-                             capture_output=True, text=True, timeout=900, check=True)
-        [line] = [x for x in out.stdout.splitlines() if x.startswith("DDP ")]
-        r = json.loads(line[4:])
-    fixed = {k: v for k, v in r["rates"].items() if k.startswith("fixed-")}
-    best = max(fixed, key=lambda k: fixed[k])
-    r["best"] = best
-    r["ratio"] = {k: round(r["rates"][k] / fixed[best], 3) for k in ("auto", "true")}
-    return r
-
-
-def verdicts(results: dict[str, Any], checks: dict[str, bool], cores: int, quick: bool,
-             strict: bool) -> int:
-    """Prints each check and the run's JSON summary (last); the exit status."""
-    for label, ok in checks.items():
-        print(f"{'PASS' if ok else 'FAIL'}  {label}")
-    print(json.dumps({"results": results, "checks": checks, "cores": cores, "quick": quick,
-                      "torch": torch.__version__}, sort_keys=True))
-    return 1 if strict and not all(checks.values()) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
     args = ap.parse_args(argv)
     if args.ddp_rank:
-        return _ddp_main()
+        return ddp_main()
     fixed_s, tuned_s, long_s = (2.0, 10.0, 20.0) if args.quick else (4.0, 48.0, 60.0)
     fixed_s = args.fixed if args.fixed is not None else fixed_s
     tuned_s = args.tuned if args.tuned is not None else tuned_s
@@ -414,16 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     checks: dict[str, bool] = {}
     for name in [c for c in chosen if c in SHORT]:
-        r = short_class(name)
-        results[name] = r
-        rates = ", ".join(f"{k}: {v:.0f}" for k, v in r["rates"].items())
-        print(f"{name:<14} samples/s over the last {LAST} of {EPOCHS} epochs {{{rates}}}; "
-              f"tuned/best ({r['best']}) {r['ratio']}; same batches {r['same']}", flush=True)
-        for label in ("auto", "true"):
-            checks[f"{name} persistent_workers={label}: tuned/best >= {MIN_RATIO:.2f}"] = \
-                r["ratio"][label] >= MIN_RATIO
-            checks[f"{name} persistent_workers={label}: same batches as untuned"] = \
-                r["same"][label]
+        results[name] = r = short_class(name, __file__)
+        report_short(name, r, checks)
     for name in [c for c in chosen if c not in SHORT]:
         r = one_class(table[name], fixed_s, tuned_s)
         results[name] = r

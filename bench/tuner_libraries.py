@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import platform
 import random
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,30 +39,28 @@ import cv2
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _tuner_common import (
+    BATCH,
+    MIN_RATIO,
+    CpuSamples,
+    ddp_main,
+    report_short,
+    short_class,
+    verdicts,
+)
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from torch import nn
 from torch.utils.data import Dataset
-from tuner import (
-    BATCH,
-    MIN_RATIO,
-    CpuSamples,
-    DemoStep,
-    Kind,
-    _epochs,
-    nothing,
-    one_class,
-    verdicts,
-)
+from tuner import DemoStep, Kind, nothing, one_class
 
-from dataloader_exporter import instrument
 from dataloader_exporter.core import advisor
 from dataloader_exporter.core.envnames import ENV_DIR
 
 IMAGES = 32  # distinct encoded images; sample i decodes image i % IMAGES
 WORDS = [f"w{i}{'ab'[i % 2] * (i % 5)}" for i in range(3000)]
 TOKENS = 128
-EPOCHS, LAST, EPOCH_SAMPLES = 8, 3, 4096
+EPOCHS, EPOCH_SAMPLES = 8, 4096  # the ddp-cpu class's, the last LAST measured (_tuner_common)
 
 
 def _pictures(side: int) -> list[np.ndarray]:
@@ -168,70 +164,11 @@ def kinds(cores: int) -> dict[str, Kind]:
 
 
 def ddp_rank() -> int:
-    """A rank of the ddp-cpu class, under torchrun: prints rank 0's JSON."""
-    import torch.distributed as dist
-    from prometheus_client import CollectorRegistry
-
-    dist.init_process_group("gloo")
+    """A rank of the ddp-cpu class, under torchrun (two ranks): prints rank 0's JSON."""
     torch.set_num_threads(1)
-    ranks, cores = dist.get_world_size(), advisor.local_cpu().usable
-    n = EPOCH_SAMPLES * ranks
-    data = CpuSamples(n, 0.0005)
-    registry = CollectorRegistry()
-
-    def build(cls: Any, over: Any, **kw: Any) -> tuple[Any, Any]:
-        s = torch.utils.data.distributed.DistributedSampler(range(n), shuffle=True, seed=1)
-        return cls(over, batch_size=BATCH, sampler=s, **kw), s
-
-    def step() -> None:
-        dist.all_reduce(torch.zeros(1))
-
-    rates: dict[str, float] = {}
-    orders: dict[str, list[list[int]]] = {}
-    workers: dict[str, int] = {}
-    both = ("num_workers", "prefetch_factor")
-    try:
-        for w in range(0, max(2, cores // ranks) + 1):
-            loader, s = build(instrument.DataLoader, data, name=f"fixed-{w}", num_workers=w,
-                              persistent_workers=w > 0, registry=registry)
-            rates[f"fixed-{w}"], _ = _epochs(loader, s, step, EPOCHS, LAST)
-            del loader
-        for label, kw in (("auto", {"tune": (*both, "persistent_workers")}),
-                          ("true", {"tune": both, "persistent_workers": True})):
-            loader, s = build(instrument.DataLoader, data, name=f"tuned-{label}",
-                              num_workers=0, registry=registry, **kw)
-            rates[label], orders[label] = _epochs(loader, s, step, EPOCHS, LAST)
-            workers[label] = loader.num_workers
-            del loader
-        bare, s = build(torch.utils.data.DataLoader, range(n))
-        untuned = []
-        for e in range(EPOCHS):
-            s.set_epoch(e)
-            untuned.append([int(i) for b in bare for i in b])
-        mine = {"rates": rates, "workers": workers,
-                "same": {k: v == untuned for k, v in orders.items()}}
-        everyone: list[Any] = [None] * ranks
-        dist.all_gather_object(everyone, mine)
-    finally:
-        dist.destroy_process_group()
-    if os.environ.get("RANK") == "0":
-        summed = {k: sum(r["rates"][k] for r in everyone) for k in rates}
-        same = {k: all(r["same"][k] for r in everyone) for k in orders}
-        print("DDP " + json.dumps({"rates": summed, "same": same,
-                                   "workers": [r["workers"] for r in everyone]}), flush=True)
-    return 0
-
-
-def ddp_class() -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                          "2", __file__, "--ddp-rank"], capture_output=True, text=True,
-                         timeout=900, check=True)
-    [line] = [x for x in out.stdout.splitlines() if x.startswith("DDP ")]
-    r: dict[str, Any] = json.loads(line[4:])
-    fixed = {k: v for k, v in r["rates"].items() if k.startswith("fixed-")}
-    r["best"] = max(fixed, key=lambda k: fixed[k])
-    r["ratio"] = {k: round(r["rates"][k] / fixed[r["best"]], 3) for k in ("auto", "true")}
-    return r
+    most = max(2, advisor.local_cpu().usable // 2)  # a rank's share of the cores, at least 2
+    return ddp_main(data=lambda n: CpuSamples(n, 0.0005), counts=tuple(range(most + 1)),
+                    epochs=EPOCHS, samples=EPOCH_SAMPLES)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,16 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     checks: dict[str, bool] = {}
     for name in chosen:
         if name == "ddp-cpu":
-            r = ddp_class()
-            rates = ", ".join(f"{k}: {v:.0f}" for k, v in r["rates"].items())
-            print(f"{name:<14} samples/s over the last {LAST} of {EPOCHS} epochs, summed "
-                  f"{{{rates}}}; tuned/best ({r['best']}) {r['ratio']}, workers a rank "
-                  f"{r['workers']}; same batches {r['same']}", flush=True)
-            for label in ("auto", "true"):
-                checks[f"{name} persistent_workers={label}: tuned/best >= {MIN_RATIO:.2f}"] \
-                    = r["ratio"][label] >= MIN_RATIO
-                checks[f"{name} persistent_workers={label}: same batches as untuned"] = \
-                    r["same"][label]
+            r = short_class(name, __file__)
+            report_short(name, r, checks, EPOCHS)
         else:
             r = one_class(table[name], fixed_s, tuned_s)
             fixed = ", ".join(f"{n}: {v:.0f}" for n, v in r["fixed"].items())

@@ -1,0 +1,194 @@
+"""What the tuner benchmarks (tuner.py, tuner_libraries.py) share: their goal and batch
+size, synthetic samples that cost CPU or wait on storage, the short-epoch classes (one
+process, or two torchrun ranks through a script's --ddp-rank), and their report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry
+from torch.utils.data import Dataset
+
+from dataloader_exporter import instrument
+
+MIN_RATIO = 0.90  # tuned samples/s over the best fixed setting's, every class
+BATCH = 16
+
+
+def burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class CpuSamples(Dataset[tuple[int, torch.Tensor]]):
+    """Each sample costs `cpu` seconds of CPU; returns its index and a small tensor."""
+
+    def __init__(self, n: int, cpu: float) -> None:
+        self.n, self.cpu = n, cpu
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        burn(self.cpu)
+        return i, torch.full((64,), float(i))
+
+
+class StorageSamples(CpuSamples):
+    """Each sample waits `wait` seconds (storage latency), then costs `cpu` of CPU."""
+
+    def __init__(self, n: int, wait: float, cpu: float) -> None:
+        super().__init__(n, cpu)
+        self.wait = wait
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        time.sleep(self.wait)
+        return super().__getitem__(i)
+
+
+EPOCHS, LAST, EPOCH_SAMPLES = 10, 3, 2048
+KEPT = (8, 16, 32)  # fixed persistent worker counts the short-epoch classes compare with
+
+
+def _epochs(loader: Any, sampler: Any, step: Callable[[], None], epochs: int = EPOCHS,
+            last: int = LAST) -> tuple[float, list[list[int]]]:
+    """Samples/s over the last `last` of `epochs` epochs, and each epoch's sample indices."""
+    order: list[list[int]] = []
+    t0, seen = 0.0, 0
+    for e in range(epochs):
+        if sampler is not None:
+            sampler.set_epoch(e)
+        if e == epochs - last:
+            t0 = time.perf_counter()
+        idx = []
+        for batch in loader:
+            idx += [int(i) for i in batch[0]]
+            step()
+        order.append(idx)
+        seen += len(idx) if e >= epochs - last else 0
+    return seen / (time.perf_counter() - t0), order
+
+
+def storage(n: int) -> Dataset[Any]:
+    return StorageSamples(n, 0.004, 0.0002)
+
+
+def short_epochs(ddp: bool, data: Callable[[int], Dataset[Any]] = storage,
+                 counts: tuple[int, ...] = KEPT, epochs: int = EPOCHS,
+                 samples: int = EPOCH_SAMPLES) -> dict[str, Any]:
+    """One process's (or, under torchrun, this rank's) short-epoch class (tuner.py): `data`
+    of n samples, fixed persistent pools of `counts`, `epochs` of `samples` a rank."""
+    import torch.distributed as dist
+
+    registry = CollectorRegistry()
+    ranks = dist.get_world_size() if ddp else 1
+    n = samples * ranks
+    dataset = data(n)
+
+    def sampler() -> Any:
+        return (torch.utils.data.distributed.DistributedSampler(range(n), shuffle=True,
+                                                                 seed=1) if ddp else None)
+
+    def build(cls: Any, name: str, over: Any = dataset, **kw: Any) -> tuple[Any, Any]:
+        s = sampler()
+        extra = {} if cls is torch.utils.data.DataLoader else {"name": name,
+                                                                "registry": registry}
+        return cls(over, batch_size=BATCH, sampler=s, shuffle=s is None,
+                   generator=torch.Generator().manual_seed(1), **extra, **kw), s
+
+    def step() -> None:
+        if ddp:
+            dist.all_reduce(torch.zeros(1))
+
+    rates: dict[str, float] = {}
+    orders: dict[str, list[list[int]]] = {}
+    for w in counts:
+        loader, s = build(instrument.DataLoader, f"kept-{w}", num_workers=w,
+                          persistent_workers=w > 0)
+        rates[f"fixed-{w}"], _ = _epochs(loader, s, step, epochs)
+        del loader
+    both = ("num_workers", "prefetch_factor")
+    for label, kw in (("auto", {"tune": (*both, "persistent_workers")}),
+                      ("true", {"tune": both, "persistent_workers": True})):
+        loader, s = build(instrument.DataLoader, f"tuned-{label}", num_workers=0, **kw)
+        rates[label], orders[label] = _epochs(loader, s, step, epochs)
+        rates[f"{label}-workers"] = float(loader.num_workers)
+        del loader
+    bare, s = build(torch.utils.data.DataLoader, "", over=range(n))
+    orders["untuned"] = []
+    for e in range(epochs):
+        if s is not None:
+            s.set_epoch(e)
+        orders["untuned"].append([int(i) for b in bare for i in b])
+    same = {label: orders[label] == orders["untuned"] for label in ("auto", "true")}
+    return {"rates": rates, "same": same}
+
+
+def ddp_main(**kw: Any) -> int:
+    """A rank of a two-rank short-epoch class (short_epochs' `kw`), under torchrun: prints
+    rank 0's JSON."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        torch.set_num_threads(1)
+        mine = short_epochs(True, **kw)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    finally:
+        dist.destroy_process_group()
+    if os.environ.get("RANK") == "0":
+        rates = {k: sum(r["rates"][k] for r in everyone) for k in mine["rates"]
+                 if not k.endswith("-workers")}
+        rates.update({k: v for k, v in mine["rates"].items() if k.endswith("-workers")})
+        same = {k: all(r["same"][k] for r in everyone) for k in mine["same"]}
+        print("DDP " + json.dumps({"rates": rates, "same": same}), flush=True)
+    return 0
+
+
+def short_class(name: str, script: str) -> dict[str, Any]:
+    """storage-epochs in this process; a DDP class under torchrun, `script --ddp-rank`."""
+    if name == "storage-epochs":
+        r = short_epochs(ddp=False)
+    else:
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                              "--nproc_per_node", "2", script, "--ddp-rank"],
+                             capture_output=True, text=True, timeout=900, check=True)
+        [line] = [x for x in out.stdout.splitlines() if x.startswith("DDP ")]
+        r = json.loads(line[4:])
+    fixed = {k: v for k, v in r["rates"].items() if k.startswith("fixed-")}
+    best = max(fixed, key=lambda k: fixed[k])
+    r["best"] = best
+    r["ratio"] = {k: round(r["rates"][k] / fixed[best], 3) for k in ("auto", "true")}
+    return r
+
+
+def report_short(name: str, r: dict[str, Any], checks: dict[str, bool],
+                 epochs: int = EPOCHS) -> None:
+    """Prints a short-epoch class's line and adds its checks."""
+    rates = ", ".join(f"{k}: {v:.0f}" for k, v in r["rates"].items())
+    print(f"{name:<14} samples/s over the last {LAST} of {epochs} epochs {{{rates}}}; "
+          f"tuned/best ({r['best']}) {r['ratio']}; same batches {r['same']}", flush=True)
+    for label in ("auto", "true"):
+        checks[f"{name} persistent_workers={label}: tuned/best >= {MIN_RATIO:.2f}"] = \
+            r["ratio"][label] >= MIN_RATIO
+        checks[f"{name} persistent_workers={label}: same batches as untuned"] = \
+            r["same"][label]
+
+
+def verdicts(results: dict[str, Any], checks: dict[str, bool], cores: int, quick: bool,
+             strict: bool) -> int:
+    """Prints each check and the run's JSON summary (last); the exit status."""
+    for label, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {label}")
+    print(json.dumps({"results": results, "checks": checks, "cores": cores, "quick": quick,
+                      "torch": torch.__version__}, sort_keys=True))
+    return 1 if strict and not all(checks.values()) else 0
