@@ -42,7 +42,7 @@ from dataloader_exporter.core.settings import ENV_SETTINGS, SettingsError, log_n
 from dataloader_exporter.core.tuner.judge import DRIFT
 from dataloader_exporter.core.tuner.persist import keep_pool
 from dataloader_exporter.core.tuner.rules import REASONS_OF, Tuner
-from dataloader_exporter.core.tuner.types import Decision, Epoch, Setting
+from dataloader_exporter.core.tuner.types import Budget, Decision, Epoch, Setting
 
 from .. import compat
 from ..envsettings import once
@@ -171,23 +171,24 @@ class LoaderTuning:
                 self.undo = None
                 mark, self._mark = self._mark, None
                 pending, self.pending = self.pending, None
-                epoch = None
                 if pending is not None:  # decided in a long epoch that ended first: now
                     seed = self._apply(loader, pending, forget_workers)
                 elif mark is not None and self._partial(mark):
                     pass  # the tail of an epoch after a mid-epoch window: too short
-                elif mark is not None:
-                    epoch = self._once(epoch_since(self.rec, mark, self.name))
-                    if epoch is not None and self.advice_only:
-                        self._advise(copy.deepcopy(self.tuner).observe(epoch, budget()),
+                elif mark is not None and (
+                        epoch := epoch_since(self.rec, mark, self.name)) is not None:
+                    room = budget()  # read once: auto's verdict and the tuner's judge it
+                    epoch = self._once(epoch, room)
+                    if self.advice_only:
+                        self._advise(copy.deepcopy(self.tuner).observe(epoch, room),
                                      self.advice_only)
                         self.tuner.stable = True
-                    elif epoch is not None:
+                    else:
                         if self.shadow is not None:
                             shadow, self.shadow = self.shadow, None
-                            self._advise(shadow.observe(epoch, budget()), ITERABLE)
+                            self._advise(shadow.observe(epoch, room), ITERABLE)
                         settled = self.tuner.stable
-                        decision = self.tuner.observe(epoch, budget())
+                        decision = self.tuner.observe(epoch, room)
                         if settled and not self.tuner.stable:
                             self._drifted()
                         if decision is not None:
@@ -213,24 +214,24 @@ class LoaderTuning:
                 self.keeping.release(loader, forget_workers)
             return None
 
-    def _once(self, epoch: Epoch | None) -> Epoch | None:
+    def _once(self, epoch: Epoch, room: Budget) -> Epoch:
         """The epoch as the tuner judges it, auto's verdict on keeping its pool made
         first: where its pool's start is paid once (a pool kept from now on, or persistent
         as built), its rate without that start, which the epochs to come will not pay."""
-        self._verdict(epoch)
-        if (epoch is None or not epoch.start_share or epoch.start_share >= 1
+        self._verdict(epoch, room)
+        if (not epoch.start_share or epoch.start_share >= 1
                 or not (self.keeping.kept or self.keeping.built)):
             return epoch
         return replace(epoch, samples_per_s=epoch.samples_per_s / (1 - epoch.start_share))
 
-    def _verdict(self, epoch: Epoch | None) -> None:
+    def _verdict(self, epoch: Epoch, room: Budget) -> None:
         """auto's verdict on keeping the pool whose start `epoch` measured, made at the
         next iter() (core/tuner/persist.py); a verdict not to keep stands once the tuner
         has settled."""
         keeping = self.keeping
-        if not keeping.deciding or epoch is None or epoch.start_share is None:
+        if not keeping.deciding or epoch.start_share is None:
             return
-        keep, why = keep_pool(epoch, budget())
+        keep, why = keep_pool(epoch, room)
         if keeping.decided(keep, why):
             self._count("persistent_workers", "epoch-start")
             self._said_stable = False  # the stable line says it
@@ -471,12 +472,13 @@ class LoaderTuning:
                 return
             self._warming = False
             if not warming and not paused(self.rec, mark, WINDOW):
-                epoch = self._once(epoch_since(self.rec, mark, self.name, flush=False,
-                                               end_ns=now))
+                epoch = epoch_since(self.rec, mark, self.name, flush=False, end_ns=now)
                 if epoch is None:
                     return
+                room = budget()
+                epoch = self._once(epoch, room)
                 settled = self.tuner.stable  # watched: tuned again if its rate drifts
-                self.pending = self.tuner.observe(epoch, budget())
+                self.pending = self.tuner.observe(epoch, room)
                 if settled and not self.tuner.stable:
                     self._drifted()
                 self._say_stable()
