@@ -33,6 +33,7 @@ from torch.utils.data import Dataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.core.settings import TUNABLE
 from dataloader_exporter.diagnosis.doctor import Diagnosis, diagnose
 from dataloader_exporter.diagnosis.machine import local_machine
 from dataloader_exporter.diagnosis.signals import Scrape, Window, loaders
@@ -133,9 +134,6 @@ def tuner_settled(registry: Any, name: str) -> bool:
                if s.labels.get("loader") == name and s.labels.get("rank") == rank)
 
 
-TUNED = ("num_workers", "prefetch_factor", "persistent_workers")  # the auto column's
-
-
 def run_phase(name: str, settings: dict[str, Any], seconds: float, samples: int,
               tune: bool = False) -> Result:
     """Trains whole epochs until `seconds` have passed and two measured epochs are done.
@@ -146,7 +144,7 @@ def run_phase(name: str, settings: dict[str, Any], seconds: float, samples: int,
     # Generic like torch's DataLoader (mypy checks this line in `make typecheck`).
     loader: instrument.DataLoader[tuple[torch.Tensor, int]] = instrument.DataLoader(
         NoisyImages(samples), batch_size=BATCH, shuffle=True, name=name,
-        tune=TUNED if tune else False, **settings)
+        tune=TUNABLE if tune else False, **settings)  # every setting the tuner sets
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     begin = time.perf_counter()

@@ -279,13 +279,15 @@ def _recommend(d: Diagnosis, s: LoaderSignals, cfg: _Config, machine: Machine,
             eff_workers = workers
         if "prefetch_factor" in held:
             want_prefetch = prefetch
-    if eff_workers and cfg.persistent is not True and d.tuner is not None and d.tuner.let_go:
-        d.unknowns.append("no persistent_workers advice: the loader tuner saw the training "
-                          "change the dataset between epochs, which kept workers would not see")
-    elif eff_workers and cfg.persistent is not True and "persistent_workers" not in (
-            d.tuner.held if d.tuner is not None else ()):
-        rec.append(Recommendation("persistent_workers", "True", str(cfg.persistent), (
-            "workers are started again at every epoch otherwise, which stalls its first batch")))
+    if eff_workers and cfg.persistent is not True:
+        if d.tuner is not None and d.tuner.let_go:
+            d.unknowns.append("no persistent_workers advice: the loader tuner saw the training "
+                              "change the dataset between epochs, which kept workers would "
+                              "not see")
+        elif "persistent_workers" not in (d.tuner.held if d.tuner is not None else ()):
+            rec.append(Recommendation("persistent_workers", "True", str(cfg.persistent), (
+                "workers are started again at every epoch otherwise, which stalls its first "
+                "batch")))
     if cuda and cfg.pin is not True:
         rec.append(Recommendation("pin_memory", "True", str(cfg.pin), (
             "copies from pinned memory are faster and can overlap compute")))
