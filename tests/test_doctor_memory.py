@@ -157,9 +157,9 @@ def test_absent_growth_gives_no_finding_no_figure_and_no_advice_drawn_from_it() 
 
 
 def test_growth_holds_back_more_workers_and_keeps_the_queue() -> None:
-    # Two blocked workers would get the model's 13; growing, they get no more.
+    # Two blocked workers would get the model's 15; growing, they get no more.
     figures: dict[str, Any] = {"workers": 2, "states": (2.0, 0.0, 18.0), "pss": 2 * 300 * MiB}
-    assert setting(diagnosis(figures), "num_workers").value == "13"
+    assert setting(diagnosis(figures), "num_workers").value == "15"
     d = diagnosis(figures, growth=2 * 5 * PER_MINUTE, containers=(PATHS,))
     assert memgrowth.KIND in kinds(d) and setting(d, "num_workers") is None
     assert setting(d, "prefetch_factor").value == "4"  # not halved: batches do not grow

@@ -154,30 +154,30 @@ def test_blocked_workers_get_the_models_count_and_a_deeper_queue() -> None:
     d = diagnosis(workers=2, states=(2.0, 0.0, 18.0), pss=600 * MiB)
     assert d.workers.bottleneck == why.BLOCKED
     rec = setting(d, "num_workers")
-    # 0.2 s a batch, 10% of it on a CPU, a 20-ms step: the loop's 50 batches/s take 13
+    # 0.2 s a batch, 10% of it on a CPU, a 20-ms step: the loop's 50 batches/s take 15
     # workers with headroom for their waits, the tuner's first move from these figures
     # (the machine's NVMe cap of 12 is a guess that the measurement overrides).
-    assert rec.value == str(choose(Load(0.2, 0.02, 0.02), 8.0)) == "13"
+    assert rec.value == str(choose(Load(0.2, 0.02, 0.02), 8.0)) == "15"
     assert "more workers overlap the waits" in rec.why
     assert setting(d, "prefetch_factor").value == "4"
 
 
 def test_blocked_workers_get_the_tuners_count_within_the_cores_their_running_needs() -> None:
     # A batch takes a worker 0.2 s, 0.09 s of it running, and the step 0.02 s. Alone, the
-    # 8 cores are no limit: the loop's 50 batches/s take 12 workers. With a second rank
+    # 8 cores are no limit: the loop's 50 batches/s take 13 workers. With a second rank
     # its 4 cores hold 36 batches/s of the workers' and the step's CPU: 7.3 workers busy,
-    # 9 with headroom for their blocked time. Each is the tuner's model's first move
+    # 10 with headroom for their blocked time. Each is the tuner's model's first move
     # (core/tuner/model.py): one answer for the same figures.
     figures: dict[str, Any] = {"workers": 2, "states": (9.0, 0.0, 11.0), "pss": 600 * MiB}
     assert diagnosis(**figures).workers.bottleneck == why.BLOCKED
-    assert setting(diagnosis(**figures), "num_workers").value == "12"
-    assert setting(diagnosis(2, **figures), "num_workers").value == "9"
+    assert setting(diagnosis(**figures), "num_workers").value == "13"
+    assert setting(diagnosis(2, **figures), "num_workers").value == "10"
     load = Load(0.2, 0.09, 0.02)
-    assert choose(load, 4.0) == 9 and choose(load, 8.0) == 12
+    assert choose(load, 4.0) == 10 and choose(load, 8.0) == 13
 
 
 def test_memory_caps_the_workers_when_not_one_more_fits() -> None:
-    # Blocked workers would take 12, but each holds 4 GiB and 8 GiB is available, of which
+    # Blocked workers would take 15, but each holds 4 GiB and 8 GiB is available, of which
     # 10% of 64 GiB stays free: 1.6 GiB, not one more worker.
     d = diagnosis(workers=2, states=(2.0, 0.0, 18.0), pss=8 * GiB, available=8 * GiB)
     v = d.workers
@@ -260,12 +260,12 @@ def test_a_loader_without_workers_is_unknown_because_it_has_none() -> None:
 def test_a_loader_without_workers_gets_the_tuners_first_move_from_its_loops_cpu_time() -> None:
     # 100 batches in 10 s, the loop waits 95%: 95 ms a fetch, 5 ms a step. The loop's
     # thread ran 1 s: at most 10 ms of each fetch is CPU (counted as the fetch's first),
-    # so its samples mostly wait on storage: workers past the 8 cores, the model's 24 (the
+    # so its samples mostly wait on storage: workers past the 8 cores, the model's 28 (the
     # tuner's first move; the machine's NVMe does not cap what was measured).
     blocked = diagnosis(workers=0, stall=0.95, loop_cpu=1.0)
     load = Load(0.095, 0.01, 0.005)
-    assert setting(blocked, "num_workers").value == str(choose(load, 8.0)) == "24"
-    assert "the tuner's model gives 24" in setting(blocked, "num_workers").why
+    assert setting(blocked, "num_workers").value == str(choose(load, 8.0)) == "28"
+    assert "the tuner's model gives 28" in setting(blocked, "num_workers").why
     # The thread ran all the time: CPU-bound samples, no more workers than the cores.
     busy = diagnosis(workers=0, stall=0.95, loop_cpu=SECONDS)
     assert setting(busy, "num_workers").value == str(choose(Load(0.095, 0.095, 0.005), 8.0))
@@ -389,12 +389,12 @@ def test_the_env_line_carries_fewer_workers_for_cpu_contention() -> None:
 # --- the loader tuner ----------------------------------------------------------------------
 TRIED = {("num_workers", "starved"): 1.0, ("num_workers", "reverted"): 1.0}
 BLOCKED: dict[str, Any] = {"workers": 2, "states": (2.0, 0.0, 18.0), "pss": 600 * MiB,
-                           "persistent": "false"}  # untuned: num_workers=13, prefetch 4
+                           "persistent": "false"}  # untuned: num_workers=15, prefetch 4
 
 
 def test_a_loader_the_tuner_still_tries_gets_no_workers_or_queue_advice_but_the_rest() -> None:
     untuned = diagnosis(**BLOCKED)
-    assert setting(untuned, "num_workers").value == "13" and untuned.tuner is None
+    assert setting(untuned, "num_workers").value == "15" and untuned.tuner is None
     d = diagnosis(**BLOCKED, stable=0, changes=TRIED)
     t = d.tuner
     assert t is not None and t.trying and t.state == "trying"
@@ -418,7 +418,7 @@ def test_shm_advice_for_a_loader_the_tuner_tries_is_for_its_settings_now() -> No
 def test_a_stable_tuned_loader_says_where_it_settled_and_gets_the_doctors_advice() -> None:
     d = diagnosis(**BLOCKED, stable=1, changes=TRIED)
     assert d.tuner is not None and d.tuner.state == "stable" and d.tuner.held == []
-    assert setting(d, "num_workers").value == "13"  # the tuner has stopped: advice again
+    assert setting(d, "num_workers").value == "15"  # the tuner has stopped: advice again
     text = report(**BLOCKED, stable=1, changes=TRIED).text()
     assert ("\n  tuner: the loader tuner is stable at num_workers=2, prefetch_factor=2, after 2 "
             "changes (num_workers: starved 1, reverted 1); --format env keeps num_workers and "
@@ -479,7 +479,7 @@ def test_the_env_line_keeps_auto_for_a_tuned_loader_and_numbers_for_the_others(
     train, val = for_loader(settings, "train"), for_loader(settings, "val")
     assert train == {"num_workers": "auto", "prefetch_factor": "auto",
                      "persistent_workers": True}
-    assert val == {"num_workers": 13, "prefetch_factor": 4, "persistent_workers": True}
+    assert val == {"num_workers": 15, "prefetch_factor": 4, "persistent_workers": True}
 
 
 def test_a_tuned_loader_with_nothing_else_to_change_still_keeps_auto_in_the_env_line() -> None:
@@ -562,4 +562,4 @@ def test_the_doctor_and_the_tuner_give_one_count_for_the_same_figures() -> None:
     decision = Tuner(Setting(2, 2)).observe(epoch, Budget(cores=7, memory_room=16 * GiB,
                                                           shm_room=GiB, cpus=8.0))
     assert decision is not None and decision.name == "num_workers"
-    assert setting(diagnosis(**BLOCKED), "num_workers").value == str(decision.new) == "13"
+    assert setting(diagnosis(**BLOCKED), "num_workers").value == str(decision.new) == "15"
