@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -85,7 +85,8 @@ def short_epochs(ddp: bool, data: Callable[[int], Dataset[Any]] = storage,
                  counts: tuple[int, ...] = KEPT, epochs: int = EPOCHS,
                  samples: int = EPOCH_SAMPLES) -> dict[str, Any]:
     """One process's (or, under torchrun, this rank's) short-epoch class (tuner.py): `data`
-    of n samples, fixed persistent pools of `counts`, `epochs` of `samples` a rank."""
+    of n samples, fixed persistent pools of `counts` (each run before and after the tuned
+    loaders, its rate the mean of both), `epochs` of `samples` a rank."""
     import torch.distributed as dist
 
     registry = CollectorRegistry()
@@ -110,11 +111,16 @@ def short_epochs(ddp: bool, data: Callable[[int], Dataset[Any]] = storage,
 
     rates: dict[str, float] = {}
     orders: dict[str, list[list[int]]] = {}
-    for w in counts:
-        loader, s = build(instrument.DataLoader, f"kept-{w}", num_workers=w,
-                          persistent_workers=w > 0)
-        rates[f"fixed-{w}"], _ = _epochs(loader, s, step, epochs)
-        del loader
+    fixed: dict[int, list[float]] = {w: [] for w in counts}
+
+    def run_fixed(ws: Iterable[int]) -> None:
+        for w in ws:
+            loader, s = build(instrument.DataLoader, f"kept-{w}", num_workers=w,
+                              persistent_workers=w > 0)
+            fixed[w].append(_epochs(loader, s, step, epochs)[0])
+            del loader
+
+    run_fixed(counts)
     both = ("num_workers", "prefetch_factor")
     for label, kw in (("auto", {"tune": (*both, "persistent_workers")}),
                       ("true", {"tune": both, "persistent_workers": True})):
@@ -122,6 +128,8 @@ def short_epochs(ddp: bool, data: Callable[[int], Dataset[Any]] = storage,
         rates[label], orders[label] = _epochs(loader, s, step, epochs)
         rates[f"{label}-workers"] = float(loader.num_workers)
         del loader
+    run_fixed(reversed(counts))  # the machine drifts: each count's mean of before and after
+    rates.update({f"fixed-{w}": sum(v) / len(v) for w, v in fixed.items()})
     bare, s = build(torch.utils.data.DataLoader, "", over=range(n))
     orders["untuned"] = []
     for e in range(epochs):
