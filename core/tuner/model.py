@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 # Blocked workers over the count that exactly keeps up: waits on storage vary, and among
 # many workers a batch takes longer than the fetch measured alone (bench/tuner.py's storage
-# classes: the best fixed counts were 1.2x to 1.3x what 1.25 chose). CPU-bound workers
-# get none: past the cores they only queue for a CPU.
+# classes: the best fixed counts are about 1.5x the count that exactly keeps up). CPU-bound
+# workers get none: past the cores they only queue for a CPU.
 HEADROOM = 1.5
 MAX_PER_CPU = 16  # blocked workers per core at most, whatever the model says
 MAX_WORKERS = 128  # per rank: beyond, a pool's start and memory outweigh the overlap
