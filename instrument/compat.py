@@ -147,7 +147,7 @@ def reseed_worker(base_seed: int, init_fn: Any = None) -> None:
         return None
     seed = base_seed + info.id
     random.seed(seed)
-    torch.manual_seed(seed)
+    manual_seed(torch, seed)
     if getattr(worker, "HAS_NUMPY", False):
         import numpy as np
 
@@ -156,6 +156,58 @@ def reseed_worker(base_seed: int, init_fn: Any = None) -> None:
     if init_fn is not None:
         init_fn(info.id)
     return None
+
+
+# The names torch 2.13's torch.manual_seed and random._manual_seed_impl use: the CUDA, MPS,
+# XPU and MTIA generators, a custom device's, then the CPU one. Another name means another
+# backend to seed: manual_seed then leaves the seeding to torch.
+_SEEDS = frozenset({"_manual_seed_impl", "int", "torch", "torch.cuda", "torch.mps",
+                    "torch.xpu", "torch.mtia", "cuda", "mps", "xpu", "mtia",
+                    "_is_in_bad_fork", "manual_seed_all", "manual_seed",
+                    "_seed_custom_device", "default_generator"})
+_lazy_seeds: list[Any] | None = None  # the lazy backends to seed; [None] leaves it to torch
+
+
+def manual_seed(torch: Any, seed: int) -> None:
+    """torch.manual_seed(seed) in effect, without its cost for a device backend this build
+    lacks: a lazy backend (CUDA, XPU, MTIA) queues its seeding for its first use, with a
+    formatted traceback (~100 µs each in a worker), and its first use raises unless the
+    build has it, so the queued call can never run. Backends the build has are seeded as
+    torch seeds them; torch.manual_seed itself where its seeding names anything else."""
+    global _lazy_seeds
+    if _lazy_seeds is None:
+        _lazy_seeds = lazy_backends(torch) if torch_seeds_known(torch) else [None]
+    if _lazy_seeds == [None]:
+        torch.manual_seed(seed)
+        return
+    for backend in _lazy_seeds:
+        if not backend._is_in_bad_fork():
+            backend.manual_seed_all(seed)
+    torch.mps.manual_seed(seed)  # returns at once on a build without MPS
+    torch.random._seed_custom_device(seed)
+    torch.default_generator.manual_seed(seed)
+
+
+def torch_seeds_known(torch: Any) -> bool:
+    """Whether torch.manual_seed names only what manual_seed knows (_SEEDS)."""
+    names: set[str] = set()
+    for fn in (torch.manual_seed, getattr(torch.random, "_manual_seed_impl", None)):
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return False
+        names.update(code.co_names)
+    return names <= _SEEDS
+
+
+def lazy_backends(torch: Any) -> list[Any]:
+    """The lazily initialised device modules (torch.cuda, .xpu, .mtia) this build has."""
+    import torch.mtia
+    import torch.xpu
+
+    built = (("cuda", hasattr(torch._C, "_cuda_getDeviceCount")),
+             ("xpu", bool(getattr(torch._C, "_has_xpu", True))),
+             ("mtia", bool(getattr(torch._C, "_mtia_isBuilt", lambda: True)())))
+    return [getattr(torch, name) for name, has in built if has]
 
 
 def can_seed(iterator: Any) -> bool:

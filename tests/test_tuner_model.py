@@ -287,3 +287,18 @@ def test_a_retune_that_finds_nothing_better_waits_twice_as_long_each_time() -> N
     assert tuner.retuned == "doubt"  # the model's ask, not a drift of the rate
     _, workers = run(0)
     assert workers[0] == 0 and 0 not in workers[1:], workers
+
+
+def test_a_step_too_small_for_the_judge_to_keep_is_not_tried() -> None:
+    """31 blocked workers where the model asks for 32: a rate grows at most as its
+    workers do, so one more (3%) could never beat the judge's smallest gain, and the
+    trial would only restart the pool. From 30, the same ask (7%) is tried."""
+    for n, tried in ((31, False), (30, True)):
+        pipe = replace(STORAGE, fetch=0.096 * 32 / ceiling(2) * 31 / 32)
+        tuner = Tuner(Setting(n, 2))
+        epoch = replace(pipe.window(Setting(n, 2), random.Random(0)), stall=0.5)
+        assert epoch.load is not None
+        assert choose(epoch.load, pipe.cpus, ceiling(pipe.cpus)) == 32
+        decision = tuner.observe(epoch, budget_for(pipe, Setting(n, 2)))
+        assert (decision is not None and decision.name == "num_workers") is tried, decision
+        assert (n * (1 + tuner_judge.MIN_GAIN) > 32) is not tried

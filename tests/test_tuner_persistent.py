@@ -243,3 +243,42 @@ def test_a_deeper_queue_keeps_a_persistent_pool_and_its_batches(
     assert compat.persistent_iterator(tuned)._prefetch_factor == tuned.prefetch_factor >= 4
     assert "prefetch_factor 2 -> 4: a test" in keep_log.text
     assert "start anew" not in keep_log.text
+
+
+def test_a_kept_pool_is_seeded_as_torch_seeds_without_backends_the_build_lacks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """compat.manual_seed leaves the generators as torch.manual_seed does; it queues no
+    seeding for a lazy device backend this build lacks, seeds one it has unless in a bad
+    fork, and leaves it all to torch when torch's seeding names a backend it does not know."""
+    compat.manual_seed(torch, 7)
+    mine = torch.rand(4)
+    torch.manual_seed(7)
+    assert torch.equal(mine, torch.rand(4))
+    assert (torch.cuda in compat.lazy_backends(torch)) is torch.backends.cuda.is_built()
+
+    class Backend:
+        def __init__(self, bad_fork: bool) -> None:
+            self.bad_fork, self.seeds = bad_fork, list[int]()
+
+        def _is_in_bad_fork(self) -> bool:
+            return self.bad_fork
+
+        def manual_seed_all(self, seed: int) -> None:
+            self.seeds.append(seed)
+
+    built, forked = Backend(False), Backend(True)
+    monkeypatch.setattr(compat, "_lazy_seeds", [built, forked])
+    compat.manual_seed(torch, 9)
+    assert (built.seeds, forked.seeds) == ([9], [])
+
+    calls: list[int] = []
+
+    def newer(seed: int) -> None:  # a torch that seeds one more backend
+        calls.append(seed)
+        if seed < 0:
+            torch.new_backend.manual_seed_all(seed)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(torch.random, "_manual_seed_impl", newer)
+    monkeypatch.setattr(compat, "_lazy_seeds", None)
+    compat.manual_seed(torch, 11)
+    assert calls == [11] and compat._lazy_seeds == [None]

@@ -8,8 +8,10 @@ Rules, from measured figures only (an unknown figure blocks the move it would ju
   (core/tuner/model.py) predicts removes the wait, from the per-batch figures (how long a
   batch takes to make and how much of it is CPU, the loop's time and CPU), within the
   budget: the rank's cores as CPU time (blocked workers take a small share each), memory,
-  /dev/shm, the process and open-file limits. Without the per-batch figures: one worker
-  more, or twice as many, while the workers run most of their time, up to the cores;
+  /dev/shm, the process and open-file limits; not by fewer than judge.MIN_GAIN of the
+  workers it has (a rate grows at most as they do: the judge could not keep the trial).
+  Without the per-batch figures: one worker more, or twice as many, while the workers
+  run most of their time, up to the cores;
 - fewer workers when CPU-bound workers outnumber the rank's cores or wait for a CPU, or
   when memory would not hold them; never none, for a loader that has workers;
 - a deeper queue (prefetch_factor) when the loop waits in bursts (p95 far above the
@@ -29,7 +31,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from dataloader_exporter.core import bands
-from dataloader_exporter.core.tuner.judge import Judge
+from dataloader_exporter.core.tuner.judge import MIN_GAIN, Judge
 from dataloader_exporter.core.tuner.model import ceiling, choose, predict
 from dataloader_exporter.core.tuner.types import Budget, Decision, Epoch, Setting
 
@@ -268,8 +270,8 @@ class Tuner:
                 f"{epoch.worker_bytes >> 20} MiB once it has copied {epoch.copied} "
                 f"(copy-on-read), and the {(self.budget.memory_room or 0) >> 20} MiB of memory "
                 "left hold no more of them")
-        if want <= n:
-            return None
+        if want <= n or (n > 0 and want < n * (1 + MIN_GAIN)):
+            return None  # a rate grows at most as the workers do: too small to judge
         self._trusted = trusted
         return Decision(replace(epoch.setting, workers=want), "num_workers", n, want,
                         "starved", why)
