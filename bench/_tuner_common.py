@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,23 +58,31 @@ EPOCHS, LAST, EPOCH_SAMPLES = 10, 3, 2048
 KEPT = (8, 16, 32)  # fixed persistent worker counts the short-epoch classes compare with
 
 
-def _epochs(loader: Any, sampler: Any, step: Callable[[], None], epochs: int = EPOCHS,
-            last: int = LAST) -> tuple[float, list[list[int]]]:
-    """Samples/s over the last `last` of `epochs` epochs, and each epoch's sample indices."""
-    order: list[list[int]] = []
-    t0, seen = 0.0, 0
+def _interleaved(loaders: dict[str, tuple[Any, Any]], step: Callable[[], None],
+                 epochs: int = EPOCHS, last: int = LAST
+                 ) -> tuple[dict[str, float], dict[str, list[list[int]]]]:
+    """Each loader's (loader, sampler) samples/s over the last `last` of `epochs` epochs and
+    each epoch's sample indices. The loaders take turns an epoch at a time, the order
+    rotated each epoch, so that all are measured over the same minutes of a machine whose
+    speed drifts (persistent pools wait idle for their turn)."""
+    names = list(loaders)
+    spent, seen = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+    order: dict[str, list[list[int]]] = {k: [] for k in names}
     for e in range(epochs):
-        if sampler is not None:
-            sampler.set_epoch(e)
-        if e == epochs - last:
-            t0 = time.perf_counter()
-        idx = []
-        for batch in loader:
-            idx += [int(i) for i in batch[0]]
-            step()
-        order.append(idx)
-        seen += len(idx) if e >= epochs - last else 0
-    return seen / (time.perf_counter() - t0), order
+        turn = e % len(names)
+        for name in names[turn:] + names[:turn]:
+            loader, sampler = loaders[name]
+            if sampler is not None:
+                sampler.set_epoch(e)
+            t0, idx = time.perf_counter(), []
+            for batch in loader:
+                idx += [int(i) for i in batch[0]]
+                step()
+            if e >= epochs - last:
+                spent[name] += time.perf_counter() - t0
+                seen[name] += len(idx)
+            order[name].append(idx)
+    return {k: seen[k] / spent[k] for k in names}, order
 
 
 def storage(n: int) -> Dataset[Any]:
@@ -85,8 +93,8 @@ def short_epochs(ddp: bool, data: Callable[[int], Dataset[Any]] = storage,
                  counts: tuple[int, ...] = KEPT, epochs: int = EPOCHS,
                  samples: int = EPOCH_SAMPLES) -> dict[str, Any]:
     """One process's (or, under torchrun, this rank's) short-epoch class (tuner.py): `data`
-    of n samples, fixed persistent pools of `counts` (each run before and after the tuned
-    loaders, its rate the mean of both), `epochs` of `samples` a rank."""
+    of n samples, fixed persistent pools of `counts` and the tuned loaders taking turns an
+    epoch at a time (_interleaved), `epochs` of `samples` a rank."""
     import torch.distributed as dist
 
     registry = CollectorRegistry()
@@ -109,27 +117,16 @@ def short_epochs(ddp: bool, data: Callable[[int], Dataset[Any]] = storage,
         if ddp:
             dist.all_reduce(torch.zeros(1))
 
-    rates: dict[str, float] = {}
-    orders: dict[str, list[list[int]]] = {}
-    fixed: dict[int, list[float]] = {w: [] for w in counts}
-
-    def run_fixed(ws: Iterable[int]) -> None:
-        for w in ws:
-            loader, s = build(instrument.DataLoader, f"kept-{w}", num_workers=w,
-                              persistent_workers=w > 0)
-            fixed[w].append(_epochs(loader, s, step, epochs)[0])
-            del loader
-
-    run_fixed(counts)
+    loaders = {f"fixed-{w}": build(instrument.DataLoader, f"kept-{w}", num_workers=w,
+                                   persistent_workers=w > 0) for w in counts}
     both = ("num_workers", "prefetch_factor")
     for label, kw in (("auto", {"tune": (*both, "persistent_workers")}),
                       ("true", {"tune": both, "persistent_workers": True})):
-        loader, s = build(instrument.DataLoader, f"tuned-{label}", num_workers=0, **kw)
-        rates[label], orders[label] = _epochs(loader, s, step, epochs)
-        rates[f"{label}-workers"] = float(loader.num_workers)
-        del loader
-    run_fixed(reversed(counts))  # the machine drifts: each count's mean of before and after
-    rates.update({f"fixed-{w}": sum(v) / len(v) for w, v in fixed.items()})
+        loaders[label] = build(instrument.DataLoader, f"tuned-{label}", num_workers=0, **kw)
+    rates, orders = _interleaved(loaders, step, epochs)
+    for label in ("auto", "true"):
+        rates[f"{label}-workers"] = float(loaders[label][0].num_workers)
+    del loaders
     bare, s = build(torch.utils.data.DataLoader, "", over=range(n))
     orders["untuned"] = []
     for e in range(epochs):

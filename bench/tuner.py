@@ -26,8 +26,8 @@ an untuned torch DataLoader's with the same generator (goal: equal).
 
 Short epochs (the epoch-start stall), over the storage samples, EPOCHS epochs of
 EPOCH_SAMPLES each, measured over the last LAST: fixed persistent pools of KEPT counts
-(each before and after the tuned loaders, the mean of both) against loaders tuned from
-num_workers=0 (not persistent) with persistent_workers=auto and with
+against loaders tuned from num_workers=0 (not persistent), taking turns an epoch at a
+time in a rotating order (all measured over the same minutes), with persistent_workers=auto and with
 persistent_workers=true (goal: both at least 0.90 of the best fixed), each epoch's sample
 indices against an untuned loader's (goal: equal):
 
