@@ -302,3 +302,30 @@ def test_a_step_too_small_for_the_judge_to_keep_is_not_tried() -> None:
         decision = tuner.observe(epoch, budget_for(pipe, Setting(n, 2)))
         assert (decision is not None and decision.name == "num_workers") is tried, decision
         assert (n * (1 + tuner_judge.MIN_GAIN) > 32) is not tried
+
+
+def test_a_pool_kept_from_now_on_starts_its_rates_anew() -> None:
+    """Rates of a pool that started each epoch are not the noise of the same setting once
+    its pool is kept: the bar a trial must pass comes back to the smallest gain."""
+    tuner = Tuner(Setting(32, 2))
+    for rate in (1800.0, 4000.0):  # a new pool each epoch, then the pool kept
+        tuner._judge.saw(tuner.current, rate)
+    assert tuner._judge.bar() == tuner_judge.MAX_BAR
+    tuner.pool_kept()
+    tuner._judge.saw(tuner.current, 4000.0)
+    tuner._judge.saw(tuner.current, 4100.0)
+    assert tuner._judge.bar() == tuner_judge.MIN_GAIN
+
+
+def test_blocked_workers_that_wait_for_a_cpu_are_cut_by_that_share_not_to_the_cores(
+        ) -> None:
+    """16 workers blocked on storage on one core, waiting for it a quarter of their time
+    (another rank's workers start): cut by that quarter, to 12, not to one worker a core;
+    CPU-bound workers that wait as long are cut to the cores."""
+    for pipe, want in ((replace(STORAGE, cpus=1.0), 12), (replace(CPU_TRIVIAL, cpus=1.0), 1)):
+        tuner = Tuner(Setting(16, 2))
+        epoch = replace(pipe.window(Setting(16, 2), random.Random(0)), stall=0.4,
+                        waiting_cpu=0.25)
+        decision = tuner.observe(epoch, budget_for(pipe, Setting(16, 2)))
+        assert decision is not None and decision.reason in ("cpu-contention", "cores")
+        assert decision.new == want, decision

@@ -12,7 +12,8 @@ Rules, from measured figures only (an unknown figure blocks the move it would ju
   workers it has (a rate grows at most as they do: the judge could not keep the trial).
   Without the per-batch figures: one worker more, or twice as many, while the workers
   run most of their time, up to the cores;
-- fewer workers when CPU-bound workers outnumber the rank's cores or wait for a CPU, or
+- fewer workers when CPU-bound workers outnumber the rank's cores or wait for a CPU
+  (workers blocked most of their time: by the share they waited, not to the cores), or
   when memory would not hold them; never none, for a loader that has workers;
 - a deeper queue (prefetch_factor) when the loop waits in bursts (p95 far above the
   median) while the workers do not run most of their time;
@@ -175,6 +176,11 @@ class Tuner:
         self._judge = Judge()
         self.best, self.best_rate = self.current, rate
 
+    def pool_kept(self) -> None:
+        """The current setting's pool is kept across epochs from now on: the rates seen
+        under it, each of which paid the pool's start, are not its noise."""
+        self._judge.seen.pop(self.current, None)
+
     def cannot_run(self, previous: Setting) -> None:
         """The change just made could not run (the first worker pool failed to start, or
         failed its first batch): back to `previous`, and no more workers, ever."""
@@ -296,8 +302,12 @@ class Tuner:
                             n, cap, "cores", f"{n} workers for {self.budget.cores} cores")
         if (epoch.waiting_cpu is not None and epoch.waiting_cpu >= bands.CPU_CONTENTION
                 and "num_workers-" not in self._exhausted):
-            top = (math.ceil(self.budget.cpus) if self._modelled(epoch) and self.budget.cpus
-                   else self.budget.cores)  # the loop's own CPU is in the figures
+            # The loop's own CPU is in the figures. Blocked workers (the model's figures
+            # say so) are not cut to the cores: only by the share of time they waited.
+            blocked = self._modelled(epoch) and epoch.load is not None and (
+                epoch.load.cpu_share < BUSY)
+            top = (n if blocked else math.ceil(self.budget.cpus)
+                   if self._modelled(epoch) and self.budget.cpus else self.budget.cores)
             want = max(1, min(top, math.ceil(n * (1 - epoch.waiting_cpu))))
             if want < n:
                 return Decision(replace(epoch.setting, workers=want), "num_workers", n, want,

@@ -78,15 +78,16 @@ class Mark:
     own_iters: int = 1  # this loader's own iter()s to come in its window (0: mid-epoch)
     fetch_cpu: tuple[int, int] = (0, 0)  # rec.fetch_cpu_ns, rec.fetch_cpu_n
     fresh_pool: bool = False  # its iter() starts a new pool of workers
+    persists: bool = False  # that pool is persistent
 
 
 def take_mark(rec: LoaderRecorder, loader: Any, flush: bool = True,
               setting: Setting | None = None, mid: bool = False,
-              fresh_pool: bool = False) -> Mark:
+              fresh_pool: bool = False, persists: bool = False) -> Mark:
     """The loader's counters now, its recorder flushed first (unless it just was);
     `setting`: the loader's settings, when the loader is not at hand; mid: taken
     mid-epoch, after the loader's own iter() (any iter() after it is another loader's);
-    fresh_pool: the iter() to come starts a new pool."""
+    fresh_pool: the iter() to come starts a new pool; persists: a persistent one."""
     if flush:
         rec.flush()
     with rec.lock:
@@ -98,7 +99,8 @@ def take_mark(rec: LoaderRecorder, loader: Any, flush: bool = True,
                 fetch_cpu=(rec.fetch_cpu_ns, rec.fetch_cpu_n),
                 loop_sched=loop_sched(rec.loop_tid), step_counts=steps,
                 ticks=machine_ticks() if setting.workers == 0 else None,  # for _load only
-                own_iters=0 if mid else 1, fresh_pool=fresh_pool and not mid)
+                own_iters=0 if mid else 1, fresh_pool=fresh_pool and not mid,
+                persists=persists and fresh_pool and not mid)
 
 
 def epoch_since(rec: LoaderRecorder, mark: Mark, name: str, flush: bool = True,

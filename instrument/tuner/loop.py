@@ -31,7 +31,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
 
@@ -141,6 +141,7 @@ class LoaderTuning:
                          and isinstance(loader, torch.utils.data.DataLoader)
                          and getattr(loader, "in_order", True) is not False)
         self._warming = False  # a new pool's first batches: not judged
+        self._kept_now = False  # auto just decided to keep its pool (_verdict)
         self._window_at_iter = True  # the window judged next began at an iter()
         rec.on_flush = self.tick
         self.tuned = tuple(k for k in knobs if (k != "num_workers" or workers) and (
@@ -178,7 +179,7 @@ class LoaderTuning:
                 elif mark is not None and (
                         epoch := epoch_since(self.rec, mark, self.name)) is not None:
                     room = budget()  # read once: auto's verdict and the tuner's judge it
-                    epoch = self._once(epoch, room)
+                    judged = self._once(epoch, room, mark)
                     if self.advice_only:
                         self._advise(copy.deepcopy(self.tuner).observe(epoch, room),
                                      self.advice_only)
@@ -187,10 +188,7 @@ class LoaderTuning:
                         if self.shadow is not None:
                             shadow, self.shadow = self.shadow, None
                             self._advise(shadow.observe(epoch, room), ITERABLE)
-                        settled = self.tuner.stable
-                        decision = self.tuner.observe(epoch, room)
-                        if settled and not self.tuner.stable:
-                            self._drifted()
+                        decision = self._observe(epoch, room) if judged else None
                         if decision is not None:
                             seed = self._apply(loader, decision, forget_workers)
                 wrap = self._keep(loader, forget_workers)
@@ -198,7 +196,8 @@ class LoaderTuning:
                 if not self.tuner.stable or self.rec.tuner_stable or self._deciding():
                     pool = compat.persistent_iterator(loader)
                     self._mark = take_mark(self.rec, loader, fresh_pool=bool(
-                        loader.num_workers) and (pool is None or not loader.persistent_workers))
+                        loader.num_workers) and (pool is None or not loader.persistent_workers),
+                        persists=bool(loader.persistent_workers))
                 self._window_at_iter, self._warming = True, False
                 if seed is not None:
                     return functools.partial(fresh_seed, seed=seed)
@@ -214,15 +213,25 @@ class LoaderTuning:
                 self.keeping.release(loader, forget_workers)
             return None
 
-    def _once(self, epoch: Epoch, room: Budget) -> Epoch:
-        """The epoch as the tuner judges it, auto's verdict on keeping its pool made
-        first: where its pool's start is paid once (a pool kept from now on, or persistent
-        as built), its rate without that start, which the epochs to come will not pay."""
+    def _once(self, epoch: Epoch, room: Budget, mark: Mark) -> bool:
+        """auto's verdict on keeping its pool made (_verdict); whether the tuner judges
+        `epoch`: not where a persistent pool started at its iter(): the epoch paid a start
+        the epochs to come will not, so its rate says nothing of them (as a new pool's
+        first batches mid-epoch)."""
         self._verdict(epoch, room)
-        if (not epoch.start_share or epoch.start_share >= 1
-                or not (self.keeping.kept or self.keeping.built)):
-            return epoch
-        return replace(epoch, samples_per_s=epoch.samples_per_s / (1 - epoch.start_share))
+        return not (epoch.start_s is not None and mark.persists)
+
+    def _observe(self, epoch: Epoch, room: Budget) -> Decision | None:
+        """The tuner's judgement of `epoch`; a drift said; a pool kept from now on (auto's
+        verdict just made) starts its setting's rates anew (those seen paid its start)."""
+        settled = self.tuner.stable
+        decision = self.tuner.observe(epoch, room)
+        if settled and not self.tuner.stable:
+            self._drifted()
+        if self._kept_now:
+            self._kept_now = False
+            self.tuner.pool_kept()
+        return decision
 
     def _verdict(self, epoch: Epoch, room: Budget) -> None:
         """auto's verdict on keeping the pool whose start `epoch` measured, made at the
@@ -233,6 +242,7 @@ class LoaderTuning:
             return
         keep, why = keep_pool(epoch, room)
         if keeping.decided(keep, why):
+            self._kept_now = True
             self._count("persistent_workers", "epoch-start")
             self._said_stable = False  # the stable line says it
         elif self.tuner.stable:
@@ -476,11 +486,8 @@ class LoaderTuning:
                 if epoch is None:
                     return
                 room = budget()
-                epoch = self._once(epoch, room)
-                settled = self.tuner.stable  # watched: tuned again if its rate drifts
-                self.pending = self.tuner.observe(epoch, room)
-                if settled and not self.tuner.stable:
-                    self._drifted()
+                if self._once(epoch, room, mark):  # watched: tuned again if its rate drifts
+                    self.pending = self._observe(epoch, room)
                 self._say_stable()
             self._mark = take_mark(self.rec, None, flush=False, setting=self.tuner.current,
                                    mid=True)
