@@ -317,15 +317,20 @@ def test_a_pool_kept_from_now_on_starts_its_rates_anew() -> None:
     assert tuner._judge.bar() == tuner_judge.MIN_GAIN
 
 
-def test_blocked_workers_that_wait_for_a_cpu_are_cut_by_that_share_not_to_the_cores(
+def test_blocked_workers_that_wait_for_a_cpu_are_cut_only_to_what_the_model_says(
         ) -> None:
-    """16 workers blocked on storage on one core, waiting for it a quarter of their time
-    (another rank's workers start): cut by that quarter, to 12, not to one worker a core;
-    CPU-bound workers that wait as long are cut to the cores."""
-    for pipe, want in ((replace(STORAGE, cpus=1.0), 12), (replace(CPU_TRIVIAL, cpus=1.0), 1)):
+    """16 workers blocked on storage on one core wait for it a quarter of their time (in
+    bursts, as another rank's workers start) while the loop waits 40%: the model says the
+    core holds them, so they stay (a cut to one worker a core left a DDP run at 0.29 of
+    the best). CPU-bound workers that wait as long are cut to the core, and so are
+    "blocked" ones where the loop waits little (idle workers count as blocked)."""
+    storage, cpu = replace(STORAGE, cpus=1.0), replace(CPU_TRIVIAL, cpus=1.0)
+    for pipe, stall, want in ((storage, 0.4, 16), (cpu, 0.4, 1), (storage, 0.1, 1)):
         tuner = Tuner(Setting(16, 2))
-        epoch = replace(pipe.window(Setting(16, 2), random.Random(0)), stall=0.4,
+        epoch = replace(pipe.window(Setting(16, 2), random.Random(0)), stall=stall,
                         waiting_cpu=0.25)
+        assert epoch.load is not None
+        assert choose(epoch.load, pipe.cpus, ceiling(pipe.cpus)) >= 16 or pipe is cpu
         decision = tuner.observe(epoch, budget_for(pipe, Setting(16, 2)))
-        assert decision is not None and decision.reason in ("cpu-contention", "cores")
-        assert decision.new == want, decision
+        got = 16 if decision is None or decision.name != "num_workers" else decision.new
+        assert got == want, decision

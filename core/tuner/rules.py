@@ -13,7 +13,8 @@ Rules, from measured figures only (an unknown figure blocks the move it would ju
   Without the per-batch figures: one worker more, or twice as many, while the workers
   run most of their time, up to the cores;
 - fewer workers when CPU-bound workers outnumber the rank's cores or wait for a CPU
-  (workers blocked most of their time: by the share they waited, not to the cores), or
+  (workers blocked most of their time while the loop is input-bound: only to the count
+  the model says the cores hold, their waits come in bursts), or
   when memory would not hold them; never none, for a loader that has workers;
 - a deeper queue (prefetch_factor) when the loop waits in bursts (p95 far above the
   median) while the workers do not run most of their time;
@@ -302,13 +303,18 @@ class Tuner:
                             n, cap, "cores", f"{n} workers for {self.budget.cores} cores")
         if (epoch.waiting_cpu is not None and epoch.waiting_cpu >= bands.CPU_CONTENTION
                 and "num_workers-" not in self._exhausted):
-            # The loop's own CPU is in the figures. Blocked workers (the model's figures
-            # say so) are not cut to the cores: only by the share of time they waited.
-            blocked = self._modelled(epoch) and epoch.load is not None and (
-                epoch.load.cpu_share < BUSY)
-            top = (n if blocked else math.ceil(self.budget.cpus)
-                   if self._modelled(epoch) and self.budget.cpus else self.budget.cores)
-            want = max(1, min(top, math.ceil(n * (1 - epoch.waiting_cpu))))
+            # The loop's own CPU is in the figures. Workers blocked most of their time
+            # (the model's figures say so) while the loop is input-bound wait for a CPU in
+            # bursts: the model, which counts the CPU they take, says how many the cores
+            # hold. (Idle workers count as blocked too: with little stall, they are cut.)
+            if self._modelled(epoch) and epoch.load is not None and (
+                    epoch.load.cpu_share < BUSY and epoch.stall >= bands.INPUT_BOUND):
+                assert self.budget.cpus is not None
+                want = max(1, min(n, choose(epoch.load, self.budget.cpus, cap)))
+            else:
+                top = (math.ceil(self.budget.cpus) if self._modelled(epoch) and self.budget.cpus
+                       else self.budget.cores)
+                want = max(1, min(top, math.ceil(n * (1 - epoch.waiting_cpu))))
             if want < n:
                 return Decision(replace(epoch.setting, workers=want), "num_workers", n, want,
                                 "cpu-contention",
