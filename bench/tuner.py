@@ -26,10 +26,10 @@ an untuned torch DataLoader's with the same generator (goal: equal).
 
 Short epochs (the epoch-start stall), over the storage samples, EPOCHS epochs of
 EPOCH_SAMPLES each, measured over the last LAST: fixed persistent pools of KEPT counts
-against loaders tuned from num_workers=0 (not persistent), taking turns an epoch at a
-time in a rotating order (all measured over the same minutes), with persistent_workers=auto and with
-persistent_workers=true (goal: both at least 0.90 of the best fixed), each epoch's sample
-indices against an untuned loader's (goal: equal):
+against loaders tuned from num_workers=0 (not persistent) with persistent_workers=auto
+and with persistent_workers=true, all taking turns an epoch at a time in a rotating order
+(measured over the same minutes; goal: both tuned at least 0.90 of the best fixed), each
+epoch's sample indices against an untuned loader's (goal: equal):
 
   storage-epochs      one process
   storage-ddp         two torchrun ranks (gloo) with a DistributedSampler, a tiny

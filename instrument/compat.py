@@ -165,7 +165,9 @@ _SEEDS = frozenset({"_manual_seed_impl", "int", "torch", "torch.cuda", "torch.mp
                     "torch.xpu", "torch.mtia", "cuda", "mps", "xpu", "mtia",
                     "_is_in_bad_fork", "manual_seed_all", "manual_seed",
                     "_seed_custom_device", "default_generator"})
-_lazy_seeds: list[Any] | None = None  # the lazy backends to seed; [None] leaves it to torch
+# The lazy backends to seed, decided at the first call; None: torch.manual_seed seeds.
+_lazy_seeds: list[Any] | None = None
+_decided = False
 
 
 def manual_seed(torch: Any, seed: int) -> None:
@@ -174,10 +176,11 @@ def manual_seed(torch: Any, seed: int) -> None:
     formatted traceback (~100 µs each in a worker), and its first use raises unless the
     build has it, so the queued call can never run. Backends the build has are seeded as
     torch seeds them; torch.manual_seed itself where its seeding names anything else."""
-    global _lazy_seeds
+    global _lazy_seeds, _decided
+    if not _decided:
+        _lazy_seeds = lazy_backends(torch) if torch_seeds_known(torch) else None
+        _decided = True
     if _lazy_seeds is None:
-        _lazy_seeds = lazy_backends(torch) if torch_seeds_known(torch) else [None]
-    if _lazy_seeds == [None]:
         torch.manual_seed(seed)
         return
     for backend in _lazy_seeds:
@@ -201,6 +204,7 @@ def torch_seeds_known(torch: Any) -> bool:
 
 def lazy_backends(torch: Any) -> list[Any]:
     """The lazily initialised device modules (torch.cuda, .xpu, .mtia) this build has."""
+    import torch.mps  # manual_seed seeds it too
     import torch.mtia
     import torch.xpu
 

@@ -268,6 +268,7 @@ def test_a_kept_pool_is_seeded_as_torch_seeds_without_backends_the_build_lacks(
 
     built, forked = Backend(False), Backend(True)
     monkeypatch.setattr(compat, "_lazy_seeds", [built, forked])
+    monkeypatch.setattr(compat, "_decided", True)
     compat.manual_seed(torch, 9)
     assert (built.seeds, forked.seeds) == ([9], [])
 
@@ -279,6 +280,6 @@ def test_a_kept_pool_is_seeded_as_torch_seeds_without_backends_the_build_lacks(
             torch.new_backend.manual_seed_all(seed)  # type: ignore[attr-defined]
 
     monkeypatch.setattr(torch.random, "_manual_seed_impl", newer)
-    monkeypatch.setattr(compat, "_lazy_seeds", None)
+    monkeypatch.setattr(compat, "_decided", False)
     compat.manual_seed(torch, 11)
-    assert calls == [11] and compat._lazy_seeds == [None]
+    assert calls == [11] and compat._decided and compat._lazy_seeds is None

@@ -307,12 +307,13 @@ class Tuner:
             # (the model's figures say so) while the loop is input-bound wait for a CPU in
             # bursts: the model, which counts the CPU they take, says how many the cores
             # hold. (Idle workers count as blocked too: with little stall, they are cut.)
-            if self._modelled(epoch) and epoch.load is not None and (
+            modelled = self._modelled(epoch)
+            if modelled and epoch.load is not None and (
                     epoch.load.cpu_share < BUSY and epoch.stall >= bands.INPUT_BOUND):
                 assert self.budget.cpus is not None
                 want = max(1, min(n, choose(epoch.load, self.budget.cpus, cap)))
             else:
-                top = (math.ceil(self.budget.cpus) if self._modelled(epoch) and self.budget.cpus
+                top = (math.ceil(self.budget.cpus) if modelled and self.budget.cpus
                        else self.budget.cores)
                 want = max(1, min(top, math.ceil(n * (1 - epoch.waiting_cpu))))
             if want < n:
