@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-import multiprocessing
 import re
 import sys
 from dataclasses import dataclass
@@ -110,17 +109,6 @@ def scan(dataset: Any, budget: float = SCAN_BUDGET) -> tuple[Container, ...]:
                 continue
     found.sort(key=lambda c: -c.bytes)
     return tuple(found[:MOST])
-
-
-def start_method(loader: Any) -> str | None:
-    """How the loader's workers start: its multiprocessing context's method, else the
-    process's (as set, or the platform's default: the first of get_all_start_methods(),
-    asked for without fixing it)."""
-    context = getattr(loader, "multiprocessing_context", None)
-    if context is not None:
-        return str(context.get_start_method())
-    method = multiprocessing.get_start_method(allow_none=True)
-    return method or multiprocessing.get_all_start_methods()[0]
 
 
 def members(obj: Any) -> list[tuple[Any, str | None]]:

@@ -5,6 +5,7 @@ batch but the timed transfer (hotpath/transfer.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -72,10 +73,9 @@ class Instruments:
         # is told once, and its loaders share the checks already made.
         self.preflight = self.hub.shared("preflight", name, lambda: Preflight(name))
         self.config = LoaderConfig(None, None, None, None, None)
-        # start_epoch's memo: the config's inputs, the config, and the recorder's labels
-        # made from it with the /dev/shm size they were made with.
-        self._inputs: tuple[Any, ...] = ()
-        self._labels: tuple[LoaderConfig, str, dict[str, str]] | None = None
+        # start_epoch's: the config's inputs, the config, the /dev/shm size and the
+        # recorder's labels made from them (LoaderRecorder.made).
+        self._labels: tuple[tuple[Any, ...], LoaderConfig, str, dict[str, str]] | None = None
         self.epochs = 0
         self.scanned = False  # the dataset looked at for copy-on-read (before_pool)
         self._last_it: weakref.ref[Any] | None = None  # the iterator whose workers we track
@@ -208,17 +208,18 @@ class Instruments:
         framework may call iter() to probe a loader and fetch nothing). again: the same
         iter() planned anew (the tuner undid or resumed a change), not one more."""
         inputs = LoaderConfig.inputs(loader)
-        if inputs != self._inputs:  # settings of equal values make the same config
-            self.config = LoaderConfig.from_inputs(inputs)
-            self._inputs = inputs
         rec = self.rec
         shm = process_shm_size()  # the trainer's own, which a doctor elsewhere cannot see
-        made = self._labels
-        if made is None or made[0] is not self.config or made[1] != shm:
-            made = self._labels = (self.config, shm, {
-                "loader": self.name, "rank": rec.rank, **self.config.labels(),
+        made = rec.made  # the last loader of the name's: equal settings, the same objects
+        if made is None or made[0] != inputs or made[2] != shm:
+            config = made[1] if made is not None and made[0] == inputs else \
+                LoaderConfig.from_inputs(inputs)
+            made = rec.made = (inputs, config, shm, {
+                "loader": self.name, "rank": rec.rank, **config.labels(),
                 "dev_shm_bytes": shm})
-        self.mark_epoch(made[2], self.config.num_workers == 0, again)
+        self.config = made[1]
+        self._labels = made
+        self.mark_epoch(made[3], self.config.num_workers == 0, again)
 
     def mark_epoch(self, labels: dict[str, str], no_workers: bool, again: bool = False) -> None:
         """At iter(), on the recorder it may share with loaders of its name: one iteration
@@ -249,16 +250,22 @@ class Instruments:
         worker whose trainer never imported it imports it itself (a few ms of each
         worker's start, in every epoch of a pool that is not persistent). Before the
         loader's first pool, its dataset's containers of Python objects, which the
-        workers will copy as they read them (cowscan.py)."""
+        workers will copy as they read them (cowscan.py), unless a loader of its name
+        found them in the same dataset object already."""
         if "numpy.random" not in sys.modules:
             import numpy.random  # noqa: F401
         if not self.scanned:
             self.scanned = True
             try:
-                from .cowscan import scan, start_method
+                rec, dataset = self.rec, loader.dataset
+                if rec.scanned is None or rec.scanned() is not dataset:  # else found already
+                    from .cowscan import scan
+                    from .hotpath.workerblock import start_method
 
-                if start_method(loader) == "fork":  # else no copy-on-read to name
-                    self.rec.dataset_objects = scan(loader.dataset)
+                    if start_method(loader) == "fork":  # else no copy-on-read to name
+                        rec.dataset_objects = scan(dataset)
+                    with contextlib.suppress(TypeError):
+                        rec.scanned = weakref.ref(dataset)
             except Exception:  # looking must never stop training
                 log.debug("the dataset scan failed", exc_info=True)
         workers = self.rec.workers

@@ -33,7 +33,7 @@ from dataloader_exporter.core.settings import log_name
 from . import compat
 from .hotpath.batch import batch_len, collated_len, item_len
 from .hotpath.iterator import Counter, FullBatches, QuietIterator, TimedIterator
-from .hotpath.workerblock import TimedCollate, new_block
+from .hotpath.workerblock import TimedCollate, new_block, start_method
 from .instruments import Instruments
 from .preflight import process_shm_size
 from .torch_originals import TORCH_ITER, lazy
@@ -100,7 +100,7 @@ class _Plan:
                                             instruments.rec.miscount)
         elif not self.reused:  # new workers: their one hook (hotpath/workerblock.py)
             instruments.before_pool(loader)
-            self.block = new_block(workers)
+            self.block = new_block(workers, start_method(loader) == "fork")
             self.collate = TimedCollate(loader.collate_fn, self.block,
                                         loader.batch_sampler is not None, verify)
         self.workers = workers
@@ -246,7 +246,7 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     if (not plan.workers and plan.collate is None and tuning is None and wrap is None
             and torch_iter_as_is is TORCH_ITER and type(loader) in PLAIN_LOADERS
             and instruments._labels is not None):
-        config, shm, labels = instruments._labels
+        _, config, shm, labels = instruments._labels
         if config is instruments.config:
             instruments.kept = _Kept.of(loader, plan.count, sized, labels, shm)
     if tuning is None:
@@ -328,7 +328,7 @@ def prestart(loader: Any, instruments: Instruments, state_dict: Callable[[Any], 
     if not workers or compat.persistent_iterator(loader) is not None:
         return state_dict(loader)
     try:
-        block = new_block(workers)
+        block = new_block(workers, start_method(loader) == "fork")
         collate = TimedCollate(loader.collate_fn, block, loader.batch_sampler is not None,
                                counter_for(loader) is batch_len)
     except Exception:

@@ -46,18 +46,27 @@ def _frames(depth: int) -> list[FrameType]:
     return out
 
 
-def built_by_framework(depth: int = STACK_DEPTH) -> bool:
-    """Whether code of one of FRAMEWORKS is on the calling stack."""
-    for frame in _frames(depth):
+def stack(depth: int = STACK_DEPTH) -> list[FrameType]:
+    """The calling stack (the caller's frame first, at most depth frames): walked once,
+    for the functions below (frames=) to read."""
+    return _frames(depth)
+
+
+def built_by_framework(depth: int = STACK_DEPTH, frames: list[FrameType] | None = None
+                       ) -> bool:
+    """Whether code of one of FRAMEWORKS is on the calling stack (or in frames)."""
+    for frame in _frames(depth) if frames is None else frames:
         module = frame.f_globals.get("__name__", "")
         if isinstance(module, str) and module.split(".", 1)[0] in FRAMEWORKS:
             return True
     return False
 
 
-def role_from_stack(depth: int = STACK_DEPTH) -> str | None:
-    """The role (ROLES) of the nearest framework method on the calling stack, or None."""
-    for frame in _frames(depth):
+def role_from_stack(depth: int = STACK_DEPTH, frames: list[FrameType] | None = None
+                    ) -> str | None:
+    """The role (ROLES) of the nearest framework method on the calling stack (or in
+    frames), or None."""
+    for frame in _frames(depth) if frames is None else frames:
         role = ROLES.get(frame.f_code.co_name)
         if role is not None:
             return role
@@ -87,10 +96,10 @@ def _site(frame: FrameType) -> str:
     return _UNSAFE.sub("_", f"{base}:{frame.f_lineno}")
 
 
-def site_name(depth: int = STACK_DEPTH) -> str | None:
-    """The name of a loader built by the calling code (the module docstring); None when
-    every frame is a library's."""
-    frames = [f for f in _frames(depth) if not _is_library(f)]
+def site_name(depth: int = STACK_DEPTH, frames: list[FrameType] | None = None) -> str | None:
+    """The name of a loader built by the calling code (or by frames: see stack()), as the
+    module docstring says; None when every frame is a library's."""
+    frames = [f for f in (_frames(depth) if frames is None else frames) if not _is_library(f)]
     if not frames:
         return None
     name = _site(frames[0])

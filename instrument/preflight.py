@@ -168,7 +168,12 @@ class Preflight:
     def settled(self, cfg: LoaderConfig) -> bool:
         """Whether on_iter(cfg, any epoch) has nothing left to do or say: cfg, untuned and
         without workers, was checked already."""
-        return cfg is self._checked and self._checked_tuned is False and not cfg.num_workers
+        return self._same(cfg) and self._checked_tuned is False and not cfg.num_workers
+
+    def _same(self, cfg: LoaderConfig) -> bool:
+        """Whether cfg is (of equal values to) the config checked last: a short-lived
+        loader of the name with the same settings has nothing new to check."""
+        return cfg is self._checked or cfg == self._checked
 
     def on_iter(self, cfg: LoaderConfig, epoch: int, tuned_workers: bool = False,
                 tuned_persistent: bool = False) -> None:
@@ -176,7 +181,7 @@ class Preflight:
         epoch counts its own epochs; tuned_workers: the tuner sets num_workers from what it
         measures, so no advice is given on the count; tuned_persistent: it also decides
         persistent_workers (tuner/keep.py), so none on that either."""
-        if cfg is self._checked and tuned_workers is self._checked_tuned:
+        if self._same(cfg) and tuned_workers is self._checked_tuned:
             if (epoch >= 2 and cfg.persistent_workers is False and cfg.num_workers
                     and not tuned_persistent):
                 self._warn("not-persistent", "persistent_workers=False restarts %d workers "

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 
 
 def current_rank() -> str:
     """torch.distributed's rank when initialised, else $RANK, else 0."""
+    dist = sys.modules.get("torch.distributed")  # not imported: not initialised either
     try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
+        if dist is not None and dist.is_available() and dist.is_initialized():
             return str(dist.get_rank())
     except Exception:
         pass

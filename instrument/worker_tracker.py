@@ -79,8 +79,8 @@ class _Totals:
     def width(self) -> int:
         return len(self.cpu)
 
-    def add(self, block: torch.Tensor) -> None:
-        rows = block.tolist()
+    def add(self, rows: list[list[int]]) -> None:
+        """A block's rows (block.tolist())."""
         extra = len(rows) - len(self.cpu)
         if extra > 0:
             for name in self.__slots__:
@@ -114,10 +114,12 @@ class _Generation:
         self.watched = True
         self.ref: _Gone | None = None  # its iterator, queued on _collected when collected
 
-    def all_pids(self) -> set[int]:
+    def all_pids(self, rows: list[list[int]] | None = None) -> set[int]:
+        """The pids torch gave and those its workers wrote in the block (`rows`: the
+        block's, when read already)."""
         pids = set(self.pids)
         if self.block is not None:
-            pids.update(int(p) for p in self.block.numpy()[:, PID] if p)
+            pids.update(row[PID] for row in rows or self.block.tolist() if row[PID])
         return pids
 
 
@@ -183,13 +185,21 @@ class WorkerTracker:
             gen = self._live.get(key)
             self._stops += 1
             if gen is not None and gen.watched:
-                gen.watched = False
-                if gen.block is not None:  # a pool too short for two /proc readings
-                    self.proc.unsampled(own_figures(gen.block))
-                for pid in gen.all_pids():
-                    self._liveness.forget(pid)
-                    self.proc.end(pid)
+                rows = gen.block.tolist() if gen.block is not None else None
+                if rows:  # a pool too short for two /proc readings
+                    self.proc.unsampled(own_figures(rows))
+                self._unwatch(gen, rows)
             self._next = 0.0  # the next read counts again: these workers are gone now
+
+    def _unwatch(self, gen: _Generation, rows: list[list[int]] | None) -> None:
+        """Nothing more is read of a generation's workers; rows: its block's, where read
+        already (lock held)."""
+        gen.watched = False
+        gen.pids = gen.all_pids(rows)  # all of them: no worker starts after this
+        for pid in gen.pids:
+            self._liveness.forget(pid)
+            self.proc.end(pid)
+            self._seen.pop(pid, None)
 
     def _fold_collected(self) -> None:
         """Folds the generations whose iterator is gone into the totals (lock held)."""
@@ -198,12 +208,12 @@ class WorkerTracker:
             if gen is None:
                 continue
             self._next = 0.0  # its workers are gone: the next read counts again
-            for pid in gen.all_pids():
-                self._liveness.forget(pid)
-                self._done.discard(pid)
-                self.proc.end(pid)
-            if gen.block is not None:
-                self._totals.add(gen.block)
+            rows = gen.block.tolist() if gen.block is not None else None
+            if gen.watched:  # else stop() has unwatched all its pids
+                self._unwatch(gen, rows)
+            self._done.difference_update(gen.pids)
+            if rows is not None:
+                self._totals.add(rows)
 
     # --- read by the collector ---------------------------------------------------------
     def refresh(self, now: float, on_error: bool = False,
@@ -339,7 +349,7 @@ class WorkerTracker:
         totals = self._totals.copy()
         for g in self._live.values():
             if g.block is not None:
-                totals.add(g.block)
+                totals.add(g.block.tolist())
         return totals
 
     def per_worker(self) -> list[tuple[int, int, int | None, int]]:

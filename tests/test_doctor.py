@@ -306,6 +306,11 @@ def test_the_doctor_reads_a_tuned_loader_from_prometheus_at_its_settings_now(
         tune_until_stable(loader, reg)
         prometheus.wait_for(f'{cat.TUNER_STABLE.name}{{test="doctor-tuned"}} == 1', timeout=30)
         train_for(loader, 1.0)
+        # A stable tuner may still try once more (a drift, a doubt): the doctor reads once
+        # Prometheus holds every change the registry counts.
+        _, changes = tuner_of(reg, "tuned")
+        prometheus.wait_for(f'sum({cat.TUNER_CHANGES.name}{{test="doctor-tuned"}}) == '
+                            f'{sum(changes.values()):g}', timeout=30)
         result = subprocess.run(
             [sys.executable, "-m", "dataloader_exporter", "doctor", "--prometheus",
              prometheus.url, "--range", "60", "--match", 'test="doctor-tuned"', "--format",

@@ -304,6 +304,25 @@ def test_the_python_build_runs_a_loader_the_same(tmp_path: Path) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+def test_a_block_for_forked_workers_is_shared_with_them_without_a_file() -> None:
+    """Workers forked from this process share its block as an anonymous mapping: what a
+    child writes, the parent reads; no descriptor or /dev/shm file is made for it, and
+    torch's shared memory stays for workers that are spawned."""
+    from dataloader_exporter.instrument.hotpath import workerblock as wb
+
+    fds = len(os.listdir("/proc/self/fd"))
+    block = wb.new_block(3, forked=True)
+    assert len(os.listdir("/proc/self/fd")) == fds and not block.is_shared()
+    assert block.shape == (3, len(wb.ROW_FIELDS)) and not block.any()
+    pid = os.fork()
+    if pid == 0:  # the child: a worker's write, then out without Python's exit
+        block[2, wb.PID] = os.getpid()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and block[2, wb.PID].item() == pid
+    assert wb.new_block(3).is_shared()  # spawned workers map torch's shared memory
+
+
 @pytest.mark.skipif(not hotpath_base.NATIVE, reason="the C build is not what runs (see above)")
 def test_a_workers_beat_writes_its_row_the_same_in_both_builds() -> None:
     """_hotpath.beat (by the row's address) and py_beat (on a numpy view) write the same

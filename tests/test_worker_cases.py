@@ -385,3 +385,28 @@ def test_a_pool_stopped_twice_counts_its_workers_own_time_once() -> None:
     fig = tracker.proc_figures()
     assert fig is not None
     assert (fig.running_ns, fig.waiting_ns, fig.blocked_ns) == (100 * ms, 50 * ms, 250 * ms)
+
+
+def test_a_stopped_pool_leaves_no_reading_of_its_workers_behind() -> None:
+    """Each short-lived pool's workers get an OOM-count reading when it starts; a pool
+    stopped on purpose and collected leaves none of its pids behind (a loader built for
+    each evaluation would otherwise grow the tracker by a pool's pids each time)."""
+    import gc
+
+    from dataloader_exporter.instrument.hotpath.workerblock import new_block
+    from dataloader_exporter.instrument.worker_tracker import WorkerTracker
+
+    class Iterator:  # weak-referenceable, as torch's is
+        pass
+
+    tracker = WorkerTracker()
+    for pool in range(50):
+        it = Iterator()
+        pids = [4_000_000 + 2 * pool, 4_000_001 + 2 * pool]  # never this machine's
+        key = tracker.start(it, new_block(2), pids)
+        assert set(pids) <= tracker._seen.keys()  # read before the workers could be killed
+        tracker.stop(key)  # the epoch's end
+        del it
+        gc.collect()
+    tracker.per_worker()  # folds the last one
+    assert not tracker._seen and not tracker._live

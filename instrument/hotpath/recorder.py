@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -87,10 +88,14 @@ class LoaderRecorder(Counts):
         # CUDA transfers: (start_event, end_event) pairs read once complete.
         self.pending_events: deque[tuple[Any, Any]] = deque()
         self.config: dict[str, str] = {}
+        # The last iter()'s settings (Instruments.start_epoch): (inputs, LoaderConfig,
+        # /dev/shm size, the labels above), kept for the next loader of the name.
+        self.made: tuple[tuple[Any, ...], Any, str, dict[str, str]] | None = None
         self.gpu_uuid = ""  # the GPU batches go to (dataloader_info), "" until known
         # The dataset's large containers of Python objects, as its loader's first pool
         # found them (cowscan.py): each worker copies them as it reads them.
         self.dataset_objects: tuple[Container, ...] = ()
+        self.scanned: weakref.ref[Any] | None = None  # the dataset they were looked for in
         self.exited_at: float | None = None  # Unix time of a normal exit (Hub.exiting)
         self.workers = WorkerTracker()
         # The loader tuner (tuner/loop.py): changes by (setting, reason); whether it is stable

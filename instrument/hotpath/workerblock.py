@@ -30,6 +30,8 @@ The main process reads the blocks at most once a second, off the per-batch path
 
 from __future__ import annotations
 
+import mmap
+import multiprocessing
 import os
 import time
 from collections.abc import Callable
@@ -58,16 +60,35 @@ from .layout import (
 )
 
 
-def new_block(num_workers: int) -> torch.Tensor:
-    """A zeroed [num_workers, len(ROW_FIELDS)] int64 block in shared memory."""
-    return torch.zeros((num_workers, len(ROW_FIELDS)), dtype=torch.int64).share_memory_()
+def start_method(loader: Any) -> str | None:
+    """How the loader's workers start: its multiprocessing context's method, else the
+    process's (as set, or the platform's default: the first of get_all_start_methods(),
+    asked for without fixing it)."""
+    context = getattr(loader, "multiprocessing_context", None)
+    if context is not None:
+        return str(context.get_start_method())
+    method = multiprocessing.get_start_method(allow_none=True)
+    return method or multiprocessing.get_all_start_methods()[0]
 
 
-def own_figures(block: torch.Tensor) -> list[tuple[int, int, int, int]]:
-    """Each worker's own figures from its first batch to its last: (pid, CPU ns, run-queue
-    wait ns or -1 where unreadable, wall ns), for workers that finished a batch."""
+def new_block(num_workers: int, forked: bool = False) -> torch.Tensor:
+    """A zeroed [num_workers, len(ROW_FIELDS)] int64 block in shared memory. forked: the
+    workers are forked from this process, which is all they need to share it: an anonymous
+    shared mapping (no /dev/shm file, no descriptor, a third of torch's cost to make),
+    unmapped when the tensor is freed. Otherwise torch's shared memory, which a spawned
+    worker's unpickling maps."""
+    shape = (num_workers, len(ROW_FIELDS))
+    if not forked:
+        return torch.zeros(shape, dtype=torch.int64).share_memory_()
+    return torch.frombuffer(mmap.mmap(-1, num_workers * ROW_BYTES), dtype=torch.int64).view(shape)
+
+
+def own_figures(rows: list[list[int]]) -> list[tuple[int, int, int, int]]:
+    """Each worker's own figures from its first batch to its last, from a block's rows
+    (block.tolist()): (pid, CPU ns, run-queue wait ns or -1 where unreadable, wall ns),
+    for workers that finished a batch."""
     out = []
-    for row in block.numpy().tolist():
+    for row in rows:
         if row[FIRST_BEAT] and row[PID]:
             wait = -1 if min(row[WAIT], row[FIRST_WAIT]) < 0 else row[WAIT] - row[FIRST_WAIT]
             out.append((row[PID], row[CPU] - row[FIRST_CPU], wait,

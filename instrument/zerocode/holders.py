@@ -10,6 +10,7 @@ chain methods. How a holder's iteration is hooked: hooks.py.
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch.utils.data
@@ -17,6 +18,7 @@ import torch.utils.data
 # Classes (module.qualname) that hold a torch DataLoader in `pipeline` and re-chunk its
 # batches before the loop takes them.
 HOLDERS = frozenset({"webdataset.compat.WebLoader"})
+_PACKAGES = frozenset(h.split(".", 1)[0] for h in HOLDERS)
 _TorchDataLoader = torch.utils.data.DataLoader
 STACK_DEPTH = 16  # frames searched for a holder's __init__ when a loader is built
 
@@ -43,7 +45,10 @@ def rechunks(holder: Any, inner: list[Any]) -> bool:
 
 
 def holder_on_stack() -> Any:
-    """The holder whose __init__ is building a loader right now, if any."""
+    """The holder whose __init__ is building a loader right now, if any (none while no
+    package of HOLDERS is imported)."""
+    if not any(p in sys.modules for p in _PACKAGES):
+        return None
     frame = inspect.currentframe()
     for _ in range(STACK_DEPTH):
         if frame is None:

@@ -45,7 +45,7 @@ from ..hotpath.batch import loader_len
 from ..hotpath.iterator import TimedIterator
 from ..instruments import Instruments
 from ..iter_start import counter_for, instrumented_iter, prestart, timed_iterator
-from ..naming import built_by_framework, class_name, role_from_stack, site_name
+from ..naming import built_by_framework, class_name, role_from_stack, site_name, stack
 from ..torch_originals import MARK, SELF_TIMED, TORCH_INIT, TORCH_ITER, is_lazy, self_timed
 from .holders import held_loaders, holder_on_stack, rechunks
 from .registry import (
@@ -256,12 +256,13 @@ def _naming_for(dataset: Any) -> Naming:
     inherited = by_dataset.get(dataset) if dataset is not None else None
     if inherited is not None and inherited.explicit:
         return inherited
-    role = role_from_stack()
+    frames = stack()  # walked once for the three rules
+    role = role_from_stack(frames=frames)
     if role is not None:
         return Naming(role)
-    if inherited is not None and built_by_framework():  # a framework's copy of a loader
+    if inherited is not None and built_by_framework(frames=frames):  # a framework's copy
         return inherited
-    return Naming(site_name() or class_name(dataset))
+    return Naming(site_name(frames=frames) or class_name(dataset))
 
 
 # --- holders (webdataset's WebLoader, holders.py) ---------------------------
