@@ -73,9 +73,9 @@ class Instruments:
         # is told once, and its loaders share the checks already made.
         self.preflight = self.hub.shared("preflight", name, lambda: Preflight(name))
         self.config = LoaderConfig(None, None, None, None, None)
-        # start_epoch's: the config's inputs, the config, the /dev/shm size and the
-        # recorder's labels made from them (LoaderRecorder.made).
-        self._labels: tuple[tuple[Any, ...], LoaderConfig, str, dict[str, str]] | None = None
+        # The last start_epoch's settings: the config's inputs, the config (self.config),
+        # the /dev/shm size and the recorder's labels made from them (LoaderRecorder.made).
+        self._made: tuple[tuple[Any, ...], LoaderConfig, str, dict[str, str]] | None = None
         self.epochs = 0
         self.scanned = False  # the dataset looked at for copy-on-read (before_pool)
         self._last_it: weakref.ref[Any] | None = None  # the iterator whose workers we track
@@ -218,7 +218,7 @@ class Instruments:
                 "loader": self.name, "rank": rec.rank, **config.labels(),
                 "dev_shm_bytes": shm})
         self.config = made[1]
-        self._labels = made
+        self._made = made
         self.mark_epoch(made[3], self.config.num_workers == 0, again)
 
     def mark_epoch(self, labels: dict[str, str], no_workers: bool, again: bool = False) -> None:

@@ -245,10 +245,9 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     timed = timed_iterator(it, instruments, start, gen, plan.count, sized, not plan.workers)
     if (not plan.workers and plan.collate is None and tuning is None and wrap is None
             and torch_iter_as_is is TORCH_ITER and type(loader) in PLAIN_LOADERS
-            and instruments._labels is not None):
-        _, config, shm, labels = instruments._labels
-        if config is instruments.config:
-            instruments.kept = _Kept.of(loader, plan.count, sized, labels, shm)
+            and instruments._made is not None):
+        _, _, shm, labels = instruments._made
+        instruments.kept = _Kept.of(loader, plan.count, sized, labels, shm)
     if tuning is None:
         return timed
     from .tuner.iterator import TunedIterator
