@@ -181,11 +181,19 @@ class OomWatch:
         self._clock = clock
         self._claimed = 0  # the count up to which rises are claimed
         self._lock = threading.Lock()
+        self._last: tuple[float, int] | None = None  # the latest reading
 
-    def read(self) -> tuple[float, int] | None:
-        """(when, the count) now; None when the kernel gives no count."""
+    def read(self, max_age: float = 0.0) -> tuple[float, int] | None:
+        """(when, the count); None when the kernel gives no count. max_age: the latest
+        reading, by any tracker of the process, where it is at most that many seconds old
+        (a reading is a file's open and read: a pool started every few milliseconds
+        reads once per tracker interval, the precision a live worker's reading has)."""
+        last = self._last
+        if max_age > 0 and last is not None and self._clock() - last[0] <= max_age:
+            return last
         count = self._kills.count()
-        return None if count is None else (self._clock(), count)
+        now = self._last = None if count is None else (self._clock(), count)
+        return now
 
     def claim(self, seen: tuple[float, int] | None) -> bool | None:
         """Whether a SIGKILL of a worker last seen alive at reading `seen` was the OOM

@@ -94,6 +94,9 @@ def process_cpu() -> advisor.Cpu:
 
 
 SHM_SIZE_TTL = 60.0  # seconds the size of /dev/shm is reused across iter()s and loaders
+# Seconds between two checks of /dev/shm's free space for the same settings and batch size
+# (a short-lived pool's first batch comes every few milliseconds).
+SHM_FREE_EVERY = 1.0
 _shm_size: tuple[float, str] | None = None
 
 
@@ -160,6 +163,8 @@ class Preflight:
         # The config (and tuned_workers) whose advice on_iter gave: only the epoch's is left.
         self._checked: LoaderConfig | None = None
         self._checked_tuned = False
+        # on_first_batch's last check of /dev/shm: (time.monotonic(), config, batch bytes).
+        self._shm_checked: tuple[float, LoaderConfig, int] | None = None
 
     def _warn(self, key: str, msg: str, *args: object) -> None:
         if not self._advice.seen(key):
@@ -232,9 +237,16 @@ class Preflight:
                        "synchronous and cannot overlap compute; set pin_memory=True")
 
     def on_first_batch(self, cfg: LoaderConfig, batch_bytes: int) -> None:
-        """After the first batch: will in-flight batches overflow /dev/shm?"""
+        """After the first batch: will in-flight batches overflow /dev/shm? Checked again
+        for the same settings and batch size once SHM_FREE_EVERY seconds have passed."""
         if not cfg.num_workers or batch_bytes <= 0 or self._advice.seen("shm"):
             return
+        now = time.monotonic()
+        last = self._shm_checked
+        if (last is not None and now - last[0] < SHM_FREE_EVERY and last[2] == batch_bytes
+                and last[1] == cfg):
+            return
+        self._shm_checked = (now, cfg, batch_bytes)
         shm = self._shm_probe(self.shm_path)
         ranks = self._local_ranks()  # every local rank's workers share the machine's shm
         need = shm_needed(batch_bytes, cfg, ranks)

@@ -154,11 +154,13 @@ class WorkerTracker:
     # --- fed by the loader ------------------------------------------------------------
     def prepare(self) -> None:
         """Before a new pool is forked: the generations gone folded and the OOM count
-        read, so that start() has little to do while the new workers share the process's
-        memory (each page written then is copied)."""
+        read (or taken from a reading at most min_interval old, the time a worker seen
+        alive at a refresh may go unread: a pool started every few milliseconds reads it
+        once per interval), so that start() has little to do while the new workers share
+        the process's memory (each page written then is copied)."""
         with self._lock:
             self._fold_collected()
-            self._prepared = (oom_watch().read(),)
+            self._prepared = (oom_watch().read(self.min_interval),)
 
     def start(self, iterator: Any, block: torch.Tensor | None, pids: list[int]) -> int:
         """Watches a new (weak-referenceable) iterator's workers until it is collected."""

@@ -184,6 +184,37 @@ def test_batches_that_fit_in_shm_do_not_warn(registry: CollectorRegistry,
     assert warnings_of(caplog) == []
 
 
+def test_a_short_lived_pools_first_batch_checks_shm_once_a_second_per_settings(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """/dev/shm's free space is read at a pool's first batch, again for the same settings
+    and batch size once SHM_FREE_EVERY has passed, and at once for another batch size."""
+    from dataloader_exporter.instrument import preflight
+
+    probes: list[str] = []
+    free = [60 * MiB]
+
+    def probe(path: str) -> ShmSpace:
+        probes.append(path)
+        return ShmSpace(path, 64 * MiB, 64 * MiB - free[0], free[0])
+
+    now = [100.0]
+    monkeypatch.setattr(preflight.time, "monotonic", lambda: now[0])
+    pre = Preflight("t", shm_probe=probe)
+    cfg = LoaderConfig(2, 4, 2, False, False)
+    pre.on_first_batch(cfg, MiB)
+    pre.on_first_batch(LoaderConfig(2, 4, 2, False, False), MiB)  # the next pool, equal
+    assert len(probes) == 1
+    pre.on_first_batch(cfg, 2 * MiB)  # larger batches: checked now
+    assert len(probes) == 2
+    free[0] = 4 * MiB  # the shm fills up...
+    pre.on_first_batch(cfg, 2 * MiB)
+    assert len(probes) == 2 and warnings_of(caplog) == []
+    now[0] += preflight.SHM_FREE_EVERY  # ...and is seen a second later
+    pre.on_first_batch(cfg, 2 * MiB)
+    assert len(probes) == 3
+    assert len([w for w in warnings_of(caplog) if "bus error" in w]) == 1
+
+
 def test_shm_size_advice_rounds_up_to_whole_gibibytes_with_headroom() -> None:
     assert shm_size_advice(10 * MiB) == "1g"
     assert shm_size_advice(1024 * MiB) == "2g"

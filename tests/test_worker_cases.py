@@ -201,6 +201,48 @@ def test_an_oom_rise_is_claimed_once_by_a_worker_seen_alive_before_it(clock: Clo
     assert watch.claim(watch.read()) is None  # the kernel gives no count
 
 
+class CountedCounter(Counter):
+    """A Counter that says how often the kernel's count was read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def count(self) -> int | None:
+        self.reads += 1
+        return super().count()
+
+
+def test_a_pool_started_soon_after_a_reading_takes_it_and_an_older_one_reads_again(
+        clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short-lived pool's start reads the OOM-kill count at most once per tracker
+    interval: a reading that recent is as close to the new workers as a live worker's last
+    refresh is to its death. A rise after the reading a pool took is still its workers'."""
+    from dataloader_exporter.instrument import failure_causes
+    from dataloader_exporter.instrument.worker_tracker import WorkerTracker
+
+    kills = CountedCounter()
+    watch = OomWatch(kills, clock=clock)
+    monkeypatch.setattr(failure_causes, "_watch", watch)
+    tracker = WorkerTracker(min_interval=0.9)
+    tracker.prepare()
+    first = tracker._prepared
+    assert kills.reads == 1
+    clock.advance(0.5)
+    tracker.prepare()  # the next pool, half a second on
+    assert kills.reads == 1 and tracker._prepared == first
+    clock.advance(0.5)  # a second after the reading: too old
+    tracker.prepare()
+    assert kills.reads == 2 and tracker._prepared != first
+    seen = tracker._prepared[0] if tracker._prepared else None
+    assert watch.read() is not None and kills.reads == 3  # a plain read always reads
+    kills.value = 1  # the new pool's worker is OOM-killed
+    assert watch.claim(seen) is True
+    kills.value = None  # a count the kernel stops giving is not taken from an old reading
+    clock.advance(1.0)
+    assert watch.read(0.9) is None
+
+
 def test_cgroup_v2_and_v1_oom_counts_are_read_from_the_processes_own_cgroup(
         tmp_path: Path) -> None:
     proc, root = tmp_path / "proc", tmp_path / "cgroup"
