@@ -12,9 +12,12 @@ Classes (map-style datasets, so the tuner changes the pool mid-epoch, in windows
   busy         cpu-trivial beside a busy-loop process (`python -c "while True: pass"`)
 
 For each class every fixed num_workers (0 to past the cores; up to 16 where workers are
-blocked) runs for --fixed seconds, before and after the tuned loader (the mean of both,
-so the machine's drift hits all alike), each with persistent workers, its first second not
-measured (the pool's start). The tuned loader starts from num_workers=0 and runs for --tuned
+blocked) runs for --fixed seconds, before and after the tuned loader, each with persistent
+workers, its first second not measured (the pool's start). The best fixed setting is
+chosen as a person measuring would choose it: the fastest of one pass, its samples/s read
+from the other pass (both ways, averaged: the drift hits it as it hits the tuned run); the
+ratio to the fastest mean of both passes, the luckiest of settings that are equally good,
+is printed beside it. The tuned loader starts from num_workers=0 and runs for --tuned
 seconds; it is measured over the second half of its run (the first half is where it
 tunes; its settings are printed). All loaders of a class are instrumented into one
 registry, as a job's are.
@@ -28,8 +31,10 @@ Short epochs (the epoch-start stall), over the storage samples, EPOCHS epochs of
 EPOCH_SAMPLES each, measured over the last LAST: fixed persistent pools of KEPT counts
 against loaders tuned from num_workers=0 (not persistent) with persistent_workers=auto
 and with persistent_workers=true, all taking turns an epoch at a time in a rotating order
-(measured over the same minutes; goal: both tuned at least 0.90 of the best fixed), each
-epoch's sample indices against an untuned loader's (goal: equal):
+(measured over the same minutes; goal: both tuned at least 0.90 of the best fixed,
+chosen over the epochs before the last LAST but the first; the largest fixed pool once
+more is an A/A control, the resolution of that ratio), each epoch's sample indices against
+an untuned loader's (goal: equal):
 
   storage-epochs      one process
   storage-ddp         two torchrun ranks (gloo) with a DistributedSampler, a tiny
@@ -208,11 +213,29 @@ def one_class(kind: Kind, fixed_s: float, tuned_s: float) -> dict[str, Any]:
             hog.kill()
             hog.wait()
     means = {n: sum(v) / len(v) for n, v in fixed.items()}
-    best = max(means, key=lambda n: means[n])
-    return {"fixed": {str(n): round(v, 1) for n, v in means.items()}, "best": best,
-            "tuned": round(tuned_rate, 1), "tuned_settings": settings,
-            "ratio": round(tuned_rate / means[best], 3), "tuned_seconds": round(took, 1),
+    top = max(means, key=lambda n: means[n])
+    # The best setting as a person measuring them would choose it: the fastest of one pass,
+    # its rate read from the other pass (both ways, averaged, so that the machine's drift
+    # hits it as it hits the tuned run between them). The fastest mean of both passes is
+    # also the luckiest of a few equally good settings: a bar above what any of them
+    # gives (its ratio is printed beside, "max").
+    first, second = (max(fixed, key=lambda n, i=i: fixed[n][i]) for i in (0, 1))
+    reference = (fixed[first][1] + fixed[second][0]) / 2
+    return {"fixed": {str(n): round(v, 1) for n, v in means.items()}, "best": top,
+            "chosen": [first, second], "tuned": round(tuned_rate, 1),
+            "tuned_settings": settings, "ratio": round(tuned_rate / reference, 3),
+            "ratio_to_max": round(tuned_rate / means[top], 3), "tuned_seconds": round(took, 1),
             "changes": changes(registry, f"{kind.name}-tuned")}
+
+
+def report_class(name: str, r: dict[str, Any], checks: dict[str, bool]) -> None:
+    """Prints a class's line (one_class) and adds its check."""
+    fixed = ", ".join(f"{n}: {v:.0f}" for n, v in r["fixed"].items())
+    print(f"{name:<14} fixed samples/s {{{fixed}}}; tuned {r['tuned']:.0f} at "
+          f"{r['tuned_settings']} = {r['ratio']:.2f} of the best (the fastest of each pass: "
+          f"{r['chosen']}; {r['ratio_to_max']:.2f} of the fastest mean, {r['best']}); "
+          f"changes {r['changes']}", flush=True)
+    checks[f"{name}: tuned/best >= {MIN_RATIO:.2f}"] = r["ratio"] >= MIN_RATIO
 
 
 def long_epoch(kind: Kind, fixed_s: float, seconds: float) -> dict[str, Any]:
@@ -277,13 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = r = short_class(name, __file__)
         report_short(name, r, checks)
     for name in [c for c in chosen if c not in SHORT]:
-        r = one_class(table[name], fixed_s, tuned_s)
-        results[name] = r
-        fixed = ", ".join(f"{n}: {v:.0f}" for n, v in r["fixed"].items())
-        print(f"{name:<12} fixed samples/s {{{fixed}}}; tuned {r['tuned']:.0f} at "
-              f"{r['tuned_settings']} = {r['ratio']:.2f} of the best ({r['best']}); "
-              f"changes {r['changes']}", flush=True)
-        checks[f"{name}: tuned/best >= {MIN_RATIO:.2f}"] = r["ratio"] >= MIN_RATIO
+        results[name] = r = one_class(table[name], fixed_s, tuned_s)
+        report_class(name, r, checks)
     if args.long:
         r = long_epoch(table["cpu-trivial"], fixed_s, long_s)
         results["long"] = r

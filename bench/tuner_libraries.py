@@ -41,7 +41,6 @@ import torch
 import torch.nn.functional as F
 from _tuner_common import (
     BATCH,
-    MIN_RATIO,
     CpuSamples,
     ddp_main,
     report_short,
@@ -52,7 +51,7 @@ from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from torch import nn
 from torch.utils.data import Dataset
-from tuner import DemoStep, Kind, nothing, one_class
+from tuner import DemoStep, Kind, nothing, one_class, report_class
 
 from dataloader_exporter.core import advisor
 from dataloader_exporter.core.envnames import ENV_DIR
@@ -208,11 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             report_short(name, r, checks, EPOCHS)
         else:
             r = one_class(table[name], fixed_s, tuned_s)
-            fixed = ", ".join(f"{n}: {v:.0f}" for n, v in r["fixed"].items())
-            print(f"{name:<14} fixed samples/s {{{fixed}}}; tuned {r['tuned']:.0f} at "
-                  f"{r['tuned_settings']} = {r['ratio']:.2f} of the best ({r['best']}); "
-                  f"changes {r['changes']}", flush=True)
-            checks[f"{name}: tuned/best >= {MIN_RATIO:.2f}"] = r["ratio"] >= MIN_RATIO
+            report_class(name, r, checks)
         results[name] = r
     return verdicts(results, checks, cores, args.quick, args.strict)
 
