@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dataloader_exporter.core.envnames import ENV_DIR, ENV_SETTINGS
+from dataloader_exporter.core.envnames import ENV_DIR
 from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
 from dataloader_exporter.core.logonce import LogOnce
 from dataloader_exporter.core.settings import SettingsError, log_name
@@ -125,9 +125,9 @@ class Instruments:
             if self._tune_checked:
                 return None
             self._tune_checked = True
-            if not (self.tune or self.persist or os.environ.get(ENV_SETTINGS)):
-                return None  # nothing to tune
             try:
+                if not (self.tune or self.persist or envsettings.from_env()):
+                    return None  # nothing to tune
                 knobs = tuple(dict.fromkeys(self.tune + envsettings.auto_for(self.name)))
                 wish = envsettings.persistent_wish(self.name) or self.persist
             except SettingsError:  # said where the loader was built
