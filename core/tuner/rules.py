@@ -3,8 +3,10 @@ seconds of one) to the next window's num_workers and prefetch_factor, or to no c
 Pure: the instrumentation feeds it what it measured and applies what it decides.
 
 Rules, from measured figures only (an unknown figure blocks the move it would justify):
-- more workers only while the loop waits for input (stall at or over bands.MODERATE) and
-  no worker waits for a CPU (under bands.CPU_CONTENTION): straight to the count the model
+- more workers only while the loop waits for input (stall at or over bands.MODERATE, and
+  a wait whose removal the judge could tell from the noise: idle workers read as blocked,
+  so the model asks for more however little the loop waits) and no worker waits for a
+  CPU (under bands.CPU_CONTENTION): straight to the count the model
   (core/tuner/model.py) predicts removes the wait, from the per-batch figures (how long a
   batch takes to make and how much of it is CPU, the loop's time and CPU), within the
   budget: the rank's cores as CPU time (blocked workers take a small share each), memory,
@@ -14,7 +16,8 @@ Rules, from measured figures only (an unknown figure blocks the move it would ju
   run most of their time, up to the cores;
 - fewer workers when CPU-bound workers outnumber the rank's cores or wait for a CPU
   (workers blocked most of their time while the loop is input-bound: only to the count
-  the model says the cores hold, their waits come in bursts), or
+  the model says the cores hold, and only after CONTENDED windows running: their waits
+  come in bursts), or
   when memory would not hold them; never none, for a loader that has workers;
 - a deeper queue (prefetch_factor) when the loop waits in bursts (p95 far above the
   median) while the workers do not run most of their time;
@@ -42,6 +45,7 @@ MAX_PREFETCH = 8  # batches per worker: deeper queues only hold memory
 BURSTY = 4.0  # fetch wait p95 over its median at which the wait comes in bursts
 BUSY = 0.5  # workers running at least this share of their time are the bottleneck
 UNSEEN_EPOCHS = 2  # epochs to wait for unknown worker shares before settling
+CONTENDED = 2  # windows running in which blocked workers wait for a CPU before a cut
 REPROBE = 3  # settled windows in a row that ask for more workers: try once more
 MAX_BACKOFF = 16  # the most the windows a drift or a doubt needs are multiplied by
 
@@ -88,6 +92,7 @@ class Tuner:
     # Why it added fewer workers than it wanted: the copies they will make of the dataset
     # (Epoch.worker_to_come) would not fit in memory; "" until then.
     memory_note: str = ""
+    _contended: int = 0  # windows running in which blocked workers waited for a CPU
 
     def __post_init__(self) -> None:
         self.current = self.start
@@ -135,6 +140,8 @@ class Tuner:
             return None
         decision = self._shrink(epoch) or self._grow(epoch) or self._deepen(epoch)
         if decision is None:
+            if 0 < self._contended < CONTENDED:
+                return None  # a cut held back for one more window (_shrink)
             if self._blind(epoch) and self._unseen < UNSEEN_EPOCHS:
                 self._unseen += 1  # the loop waits, but on what is not known yet
                 return None
@@ -155,12 +162,20 @@ class Tuner:
         """Whether more workers, ruled out, look worth a second look: REPROBE windows
         running the loop waited and the model asked for more."""
         self.budget = budget
-        grow = (epoch.stall >= bands.MODERATE and "num_workers+" in self._exhausted
+        grow = (self._wait_worth(epoch) and "num_workers+" in self._exhausted
                 and self._modelled(epoch) and epoch.load is not None
                 and choose(epoch.load, budget.cpus or 1.0, self._cap(epoch))
                 > epoch.setting.workers)
         self._doubts = self._doubts + 1 if grow else 0
         return self._doubts >= REPROBE * self._backoff
+
+    def _wait_worth(self, epoch: Epoch) -> bool:
+        """Whether the loop's wait for input is worth more workers: at least bands.MODERATE
+        of its time, and, removed entirely, a gain the judge could keep (its bar under the
+        noise measured): a smaller one could only be kept by the noise, and idle workers
+        (read as blocked) make the model ask for more whatever the gain."""
+        stall = epoch.stall
+        return stall >= bands.MODERATE and stall >= self._judge.bar() * (1 - stall)
 
     def _settle(self, rate: float) -> None:
         self.stable = True
@@ -173,6 +188,7 @@ class Tuner:
         """Tunes again from the current setting (its rate now `rate`), all else forgotten."""
         self.stable, self._left = False, self.current
         self.trials, self._unseen, self._trying, self._doubts = 0, 0, None, 0
+        self._contended = 0
         self._exhausted.clear()
         self._judge = Judge()
         self.best, self.best_rate = self.current, rate
@@ -248,7 +264,7 @@ class Tuner:
         if not self.workers or "num_workers+" in self._exhausted:
             return None
         n = epoch.setting.workers
-        if epoch.stall < bands.MODERATE:
+        if not self._wait_worth(epoch):
             return None
         if n > 0 and (epoch.waiting_cpu is None or epoch.waiting_cpu >= bands.CPU_CONTENTION):
             return None
@@ -291,6 +307,7 @@ class Tuner:
 
     def _shrink(self, epoch: Epoch) -> Decision | None:
         n = epoch.setting.workers
+        contended, self._contended = self._contended, 0
         if not self.workers or n == 0:
             return None
         cap = self._cap(epoch)
@@ -307,11 +324,18 @@ class Tuner:
             # (the model's figures say so) while the loop is input-bound wait for a CPU in
             # bursts: the model, which counts the CPU they take, says how many the cores
             # hold. (Idle workers count as blocked too: with little stall, they are cut.)
+            # One window is not enough for them: a machine busy for a moment, or another
+            # rank's pool starting, makes the same bursts, and a cut that restarts a kept
+            # pool costs its start and an epoch not judged: the cut needs CONTENDED
+            # windows running.
             modelled = self._modelled(epoch)
             if modelled and epoch.load is not None and (
                     epoch.load.cpu_share < BUSY and epoch.stall >= bands.INPUT_BOUND):
                 assert self.budget.cpus is not None
                 want = max(1, min(n, choose(epoch.load, self.budget.cpus, cap)))
+                self._contended = contended + 1 if want < n else 0
+                if 0 < self._contended < CONTENDED:
+                    want = n
             else:
                 top = (math.ceil(self.budget.cpus) if modelled and self.budget.cpus
                        else self.budget.cores)
