@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -198,14 +199,42 @@ def short_class(name: str, script: str) -> dict[str, Any]:
     return r
 
 
-def report_short(name: str, r: dict[str, Any], checks: dict[str, bool],
-                 epochs: int = EPOCHS) -> None:
-    """Prints a short-epoch class's line and adds its checks."""
+def short_runs(name: str, script: str, runs: int, epochs: int = EPOCHS) -> dict[str, Any]:
+    """The short-epoch class `name` run `runs` times (short_class), each run's line printed
+    as it ends. With more than one: each ratio (and the A/A control's) is the median of
+    the runs' (a run's ratio over LAST short epochs is as coarse as its A/A control says),
+    the batches the same only where they were in every run; the runs under "runs"."""
+    each = []
+    for _ in range(runs):
+        each.append(r := short_class(name, script))
+        print(short_line(name, r, epochs), flush=True)
+    if runs == 1:
+        return each[0]
+    labels = ("auto", "true")
+    return {"runs": each,
+            "ratio": {k: statistics.median(r["ratio"][k] for r in each) for k in labels},
+            "ratio_to_max": {k: statistics.median(r["ratio_to_max"][k] for r in each)
+                             for k in labels},
+            "aa": statistics.median(r["aa"] for r in each),
+            "same": {k: all(r["same"][k] for r in each) for k in labels}}
+
+
+def short_line(name: str, r: dict[str, Any], epochs: int = EPOCHS) -> str:
+    """One run's line of a short-epoch class."""
     rates = ", ".join(f"{k}: {v:.0f}" for k, v in r["rates"].items())
-    print(f"{name:<14} samples/s over the last {LAST} of {epochs} epochs {{{rates}}}; "
-          f"tuned/best ({r['best']}, chosen over epochs 1-{epochs - LAST - 1}) {r['ratio']}; "
-          f"tuned/max of the last {LAST} {r['ratio_to_max']}; A/A control "
-          f"(the largest fixed pool again) {r['aa']}; same batches {r['same']}", flush=True)
+    return (f"{name:<14} samples/s over the last {LAST} of {epochs} epochs {{{rates}}}; "
+            f"tuned/best ({r['best']}, chosen over epochs 1-{epochs - LAST - 1}) "
+            f"{r['ratio']}; tuned/max of the last {LAST} {r['ratio_to_max']}; A/A control "
+            f"(the largest fixed pool again) {r['aa']}; same batches {r['same']}")
+
+
+def report_short(name: str, r: dict[str, Any], checks: dict[str, bool]) -> None:
+    """Prints a short-epoch class's medians where it ran more than once (short_runs), and
+    adds its checks."""
+    if "runs" in r:
+        print(f"{name:<14} median of {len(r['runs'])} runs: tuned/best {r['ratio']}; "
+              f"tuned/max of the last {LAST} {r['ratio_to_max']}; A/A control {r['aa']}; "
+              f"same batches in every run {r['same']}", flush=True)
     for label in ("auto", "true"):
         checks[f"{name} persistent_workers={label}: tuned/best >= {MIN_RATIO:.2f}"] = \
             r["ratio"][label] >= MIN_RATIO

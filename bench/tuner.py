@@ -34,13 +34,16 @@ and with persistent_workers=true, all taking turns an epoch at a time in a rotat
 (measured over the same minutes; goal: both tuned at least 0.90 of the best fixed,
 chosen over the epochs before the last LAST but the first; the largest fixed pool once
 more is an A/A control, the resolution of that ratio), each epoch's sample indices against
-an untuned loader's (goal: equal):
+an untuned loader's (goal: equal). Each runs --runs times: the goal is on the median of
+the runs' ratios (the A/A control's median beside it), as one run's ratio over a few
+one-second epochs spreads about +-10% on a busy 2-core machine:
 
   storage-epochs      one process
   storage-ddp         two torchrun ranks (gloo) with a DistributedSampler, a tiny
                       all_reduce per step; samples/s summed over the ranks
 
     python bench/tuner.py [--quick] [--strict] [--classes cpu-trivial,storage] [--long]
+                          [--runs 3]
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ from _tuner_common import (
     StorageSamples,
     ddp_main,
     report_short,
-    short_class,
+    short_runs,
     verdicts,
 )
 from prometheus_client import CollectorRegistry
@@ -273,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fixed", type=float, help="seconds per fixed setting (4; --quick 2)")
     ap.add_argument("--tuned", type=float, help="seconds of the tuned run (48; --quick 10)")
     ap.add_argument("--long", action="store_true", help="also the 60-s single epoch")
+    ap.add_argument("--runs", type=int, help="runs of each short-epoch class (3; --quick 1)")
     ap.add_argument("--quick", action="store_true", help="shorter runs, for a smoke run")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
     args = ap.parse_args(argv)
@@ -281,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     fixed_s, tuned_s, long_s = (2.0, 10.0, 20.0) if args.quick else (4.0, 48.0, 60.0)
     fixed_s = args.fixed if args.fixed is not None else fixed_s
     tuned_s = args.tuned if args.tuned is not None else tuned_s
-    if fixed_s <= 0 or tuned_s <= 0:
-        ap.error("--fixed and --tuned must be positive")
+    args.runs = args.runs if args.runs is not None else 1 if args.quick else 3
+    if fixed_s <= 0 or tuned_s <= 0 or args.runs < 1:
+        ap.error("--fixed, --tuned and --runs must be positive")
     os.environ.pop(ENV_DIR, None)  # no snapshot thread: the registries are local
     torch.set_num_threads(1)
     cores = advisor.local_cpu().usable
@@ -297,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     checks: dict[str, bool] = {}
     for name in [c for c in chosen if c in SHORT]:
-        results[name] = r = short_class(name, __file__)
+        results[name] = r = short_runs(name, __file__, args.runs)
         report_short(name, r, checks)
     for name in [c for c in chosen if c not in SHORT]:
         results[name] = r = one_class(table[name], fixed_s, tuned_s)

@@ -44,7 +44,7 @@ from _tuner_common import (
     CpuSamples,
     ddp_main,
     report_short,
-    short_class,
+    short_runs,
     verdicts,
 )
 from PIL import Image
@@ -203,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     checks: dict[str, bool] = {}
     for name in chosen:
         if name == "ddp-cpu":
-            r = short_class(name, __file__)
-            report_short(name, r, checks, EPOCHS)
+            r = short_runs(name, __file__, 1, EPOCHS)
+            report_short(name, r, checks)
         else:
             r = one_class(table[name], fixed_s, tuned_s)
             report_class(name, r, checks)

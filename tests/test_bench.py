@@ -87,3 +87,38 @@ def test_the_gpu_check_passes_on_a_gpu_and_skips_clearly_without() -> None:
         assert any(line.startswith(f"PASS  {check}: ") for line in lines), (check, lines)
     summary = json.loads(lines[-1])
     assert summary["checks"] == dict.fromkeys(CHECKS, "PASS"), summary
+
+
+def test_short_epoch_classes_run_again_are_judged_on_the_median_of_their_runs(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/tuner.py --runs: one run's ratio over a few one-second epochs spreads as wide
+    as its A/A control; the goal is judged on the median of the runs, each run printed."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import _tuner_common as common
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    runs = iter([(0.79, 0.85, 0.90, True), (0.93, 0.99, 0.97, True),
+                 (1.09, 1.01, 1.05, False)])
+
+    def canned(name: str, script: str) -> dict[str, object]:
+        true, auto, aa, same = next(runs)
+        return {"rates": {"fixed-32": 4000.0, "auto": 4000.0 * auto, "true": 4000.0 * true},
+                "best": "fixed-32", "ratio": {"auto": auto, "true": true},
+                "ratio_to_max": {"auto": auto, "true": true}, "aa": aa,
+                "same": {"auto": True, "true": same}}
+
+    monkeypatch.setattr(common, "short_class", canned)
+    r = common.short_runs("storage-epochs", "tuner.py", 3)
+    checks: dict[str, bool] = {}
+    common.report_short("storage-epochs", r, checks)
+    assert r["ratio"] == {"auto": 0.99, "true": 0.93} and r["aa"] == 0.97, r
+    assert len(r["runs"]) == 3 and r["same"] == {"auto": True, "true": False}
+    assert checks == {
+        "storage-epochs persistent_workers=auto: tuned/best >= 0.90": True,
+        "storage-epochs persistent_workers=auto: same batches as untuned": True,
+        "storage-epochs persistent_workers=true: tuned/best >= 0.90": True,
+        "storage-epochs persistent_workers=true: same batches as untuned": False}
+    out = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("storage-epochs samples/s over the last") for line in out) == 3
+    assert out[-1].startswith("storage-epochs median of 3 runs: tuned/best"), out
