@@ -17,9 +17,10 @@ workers, its first second not measured (the pool's start). The best fixed settin
 chosen as a person measuring would choose it: the fastest of one pass, its samples/s read
 from the other pass (both ways, averaged: the drift hits it as it hits the tuned run); the
 ratio to the fastest mean of both passes, the luckiest of settings that are equally good,
-is printed beside it. The tuned loader starts from num_workers=0 and runs for --tuned
-seconds; it is measured over the second half of its run (the first half is where it
-tunes; its settings are printed). All loaders of a class are instrumented into one
+is printed beside it, and so is the ratio of the fixed run at the tuned loader's final
+worker count (whether it chose well, apart from how its own run went). The tuned loader
+starts from num_workers=0 and runs for --tuned seconds; it is measured over the second
+half of its run (the first half is where it tunes; its settings are printed). All loaders of a class are instrumented into one
 registry, as a job's are.
 
 --long: one epoch of about 60 s over the cpu-trivial class, tuned mid-epoch from
@@ -224,7 +225,11 @@ def one_class(kind: Kind, fixed_s: float, tuned_s: float) -> dict[str, Any]:
     # gives (its ratio is printed beside, "max").
     first, second = (max(fixed, key=lambda n, i=i: fixed[n][i]) for i in (0, 1))
     reference = (fixed[first][1] + fixed[second][0]) / 2
+    # The tuned loader's final worker count run fixed, over the best: how good its choice
+    # was, apart from how its own run went (its rate also holds the tuning and the drift).
+    held = settings["num_workers"]
     return {"fixed": {str(n): round(v, 1) for n, v in means.items()}, "best": top,
+            "choice": round(means[held] / reference, 3) if held in means else None,
             "chosen": [first, second], "tuned": round(tuned_rate, 1),
             "tuned_settings": settings, "ratio": round(tuned_rate / reference, 3),
             "ratio_to_max": round(tuned_rate / means[top], 3), "tuned_seconds": round(took, 1),
@@ -236,8 +241,8 @@ def report_class(name: str, r: dict[str, Any], checks: dict[str, bool]) -> None:
     fixed = ", ".join(f"{n}: {v:.0f}" for n, v in r["fixed"].items())
     print(f"{name:<14} fixed samples/s {{{fixed}}}; tuned {r['tuned']:.0f} at "
           f"{r['tuned_settings']} = {r['ratio']:.2f} of the best (the fastest of each pass: "
-          f"{r['chosen']}; {r['ratio_to_max']:.2f} of the fastest mean, {r['best']}); "
-          f"changes {r['changes']}", flush=True)
+          f"{r['chosen']}; {r['ratio_to_max']:.2f} of the fastest mean, {r['best']}; its "
+          f"worker count fixed {r['choice']}); changes {r['changes']}", flush=True)
     checks[f"{name}: tuned/best >= {MIN_RATIO:.2f}"] = r["ratio"] >= MIN_RATIO
 
 

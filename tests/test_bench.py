@@ -43,6 +43,11 @@ def test_the_tuner_benchmark_reports_each_class_its_fixed_counts_and_the_tuned_r
     # The best as chosen in each pass, its rate read from the other; the fastest mean beside.
     assert all(str(n) in counts for n in got["chosen"]) and got["ratio_to_max"] > 0, summary
     assert got["tuned_settings"]["num_workers"] >= 0, got
+    # Its worker count's own fixed rate over the best: whether it chose well, apart from
+    # how its run went.
+    held = str(got["tuned_settings"]["num_workers"])
+    assert (got["choice"] is None) is (held not in counts) and (
+        got["choice"] is None or got["choice"] > 0), got
     for change in got["changes"]:  # setting/reason: the tuner's metric's labels
         setting, reason = change.split("/")
         assert setting in ("num_workers", "prefetch_factor") and reason in REASONS, got

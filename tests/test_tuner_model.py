@@ -396,3 +396,39 @@ def test_blocked_workers_are_cut_for_a_cpu_only_when_they_wait_two_windows_runni
     assert tuner.observe(busy, room) is None and not tuner.stable
     cut = tuner.observe(busy, room)  # the second window running
     assert cut is not None and (cut.reason, cut.new) == ("cpu-contention", 22), cut
+
+
+def test_a_count_measured_slower_is_not_kept_on_the_models_word_when_tried_again() -> None:
+    """Fast tokenizers on 2 cores: the model, from the loop's figures without workers,
+    predicts 2 workers twice as fast; they measured 20% slower (moving each small batch
+    from a worker costs what the model cannot see without them). Settled at none, the
+    model asks again window after window: the second try must beat the bar as any trial
+    would, not get the first workers' benefit of the doubt. A drift forgets it."""
+    load = Load(0.0035, 0.0035, 0.0009, 0.0009)
+    none = Epoch(Setting(0, 2), 4300.0, 0.78, worker_bytes=GiB // 8, batch_bytes=1 << 16,
+                 burstiness=1.5, load=load)
+    two = Epoch(Setting(2, 2), 3500.0, 0.05, 0.9, 0.05, 0.05, GiB // 8, 1 << 16, 1.5,
+                load=Load(0.0034, 0.0034, 0.0009, 0.0012))
+    room = Budget(1, 32 * GiB, 16 * GiB, 2.0)
+    tuner = Tuner(Setting(0, 2))
+    first = tuner.observe(none, room)
+    assert first is not None and first.new == 2 and tuner._trusted
+    while tuner.current.workers == 2:  # measured slower past the bar: undone
+        tuner.observe(two, room)
+    assert tuner.observe(none, room) is None  # nothing left to try: settled
+    assert tuner.stable and tuner.current.workers == 0 and 2 in tuner._refuted
+    again = None
+    for _ in range(3):  # REPROBE windows of the model's ask
+        again = tuner.observe(none, room) or again
+    assert tuner.retuned == "doubt" and again is not None and again.new == 2
+    assert not tuner._trusted  # judged as any trial: undone as soon as it is not faster
+    windows = 0
+    while tuner.current.workers == 2:
+        tuner.observe(replace(two, samples_per_s=4200.0), room)  # within the bar: not faster
+        windows += 1
+    assert windows == 2 and tuner.current.workers == 0  # a trusted trial would keep it
+    tuner._refuted.add(3)
+    tuner.stable, tuner.settled_rate = True, 4300.0
+    for _ in range(2):  # a drift: the figures changed, the measurements are forgotten
+        tuner.observe(replace(none, samples_per_s=3000.0), room)
+    assert tuner.retuned == "drift" and not tuner._refuted

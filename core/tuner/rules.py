@@ -27,7 +27,9 @@ Rules, from measured figures only (an unknown figure blocks the move it would ju
   After MAX_TRIALS, or when no rule fires, it is stable (where the loop waits but the
   workers' shares are unknown, it waits UNSEEN_EPOCHS epochs for them), but for drift or
   doubt (a rate well below its own, or the model asking for more, window after window):
-  it tunes again, and each time it settles back where it was it waits twice as long.
+  it tunes again, and each time it settles back where it was it waits twice as long. A
+  worker count a trial measured slower is tried again on a doubt as any trial, never
+  kept on the model's word (trusted, judge.py) until the figures drift.
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ class Tuner:
     # The trial now running is a loader's first workers, which the model predicts faster
     # past the bar: kept unless measured slower past the noise (judge.py).
     _trusted: bool = False
+    # Worker counts a trial measured slower (undone) since the figures last drifted: the
+    # model's word for one of them is no longer trusted over that measurement.
+    _refuted: set[int] = field(default_factory=set)
     # Why it added fewer workers than it wanted: the copies they will make of the dataset
     # (Epoch.worker_to_come) would not fit in memory; "" until then.
     memory_note: str = ""
@@ -112,6 +117,7 @@ class Tuner:
             if self._judge.drifted(epoch.samples_per_s, self.settled_rate,
                                    epoch.stall >= bands.MODERATE, self._backoff):
                 self.retuned = "drift"
+                self._refuted.clear()  # measured under other figures
             elif self._doubted(epoch, budget):
                 self.retuned = "doubt"
             else:
@@ -129,6 +135,8 @@ class Tuner:
             self._trying, self._trusted = None, False
             if verdict == "undo":
                 self._exhausted.add(trying)
+                if trying == "num_workers+":
+                    self._refuted.add(epoch.setting.workers)
                 return self._revert(epoch, trying, rate)
             # A cut kept is the best now, still against the faster rate: cuts do not compound.
             self.best = self.current
@@ -273,7 +281,7 @@ class Tuner:
             assert epoch.load is not None and self.budget.cpus is not None
             want = choose(epoch.load, self.budget.cpus, self._cap(epoch))
             why = f"{epoch.load.line()}; loop waited {epoch.stall:.0%}, {self.budget.cpus:g} cores"
-            trusted = n == 0 and want > 0 and predict(
+            trusted = n == 0 and want > 0 and want not in self._refuted and predict(
                 epoch.load, want, self.budget.cpus) >= (1 + self._judge.bar()) * predict(
                 epoch.load, 0, self.budget.cpus)
         else:
