@@ -20,8 +20,8 @@ ratio to the fastest mean of both passes, the luckiest of settings that are equa
 is printed beside it, and so is the ratio of the fixed run at the tuned loader's final
 worker count (whether it chose well, apart from how its own run went). The tuned loader
 starts from num_workers=0 and runs for --tuned seconds; it is measured over the second
-half of its run (the first half is where it tunes; its settings are printed). All loaders of a class are instrumented into one
-registry, as a job's are.
+half of its run (the first half is where it tunes; its settings are printed). All loaders
+of a class are instrumented into one registry, as a job's are.
 
 --long: one epoch of about 60 s over the cpu-trivial class, tuned mid-epoch from
 num_workers=0, against the best fixed setting measured just before: its samples/s over the
