@@ -147,7 +147,7 @@ def short_epochs(ddp: bool, data: Callable[[int], Dataset[Any]] = storage,
         orders["untuned"].append([int(i) for b in bare for i in b])
     same = {label: orders[label] == orders["untuned"] for label in ("auto", "true")}
     return {"rates": rates, "early": {k: v for k, v in early.items() if k.startswith("fixed-")},
-            "same": same}
+            "same": same, "twin": f"fixed-{w}"}
 
 
 def ddp_main(**kw: Any) -> int:
@@ -169,7 +169,8 @@ def ddp_main(**kw: Any) -> int:
         rates.update({k: v for k, v in mine["rates"].items() if k.endswith("-workers")})
         early = {k: sum(r["early"][k] for r in everyone) for k in mine["early"]}
         same = {k: all(r["same"][k] for r in everyone) for k in mine["same"]}
-        print("DDP " + json.dumps({"rates": rates, "early": early, "same": same}), flush=True)
+        print("DDP " + json.dumps({"rates": rates, "early": early, "same": same,
+                                   "twin": mine["twin"]}), flush=True)
     return 0
 
 
@@ -194,8 +195,7 @@ def short_class(name: str, script: str) -> dict[str, Any]:
     r["best"] = best
     r["ratio"] = {k: round(r["rates"][k] / fixed[best], 3) for k in ("auto", "true")}
     r["ratio_to_max"] = {k: round(r["rates"][k] / fixed[top], 3) for k in ("auto", "true")}
-    last = max(fixed, key=lambda k: int(k.split("-")[1]))
-    r["aa"] = round(r["rates"]["again"] / fixed[last], 3)  # the largest fixed pool, again
+    r["aa"] = round(r["rates"]["again"] / fixed[r["twin"]], 3)  # the pool "again" repeats
     return r
 
 

@@ -427,8 +427,9 @@ def test_a_count_measured_slower_is_not_kept_on_the_models_word_when_tried_again
         tuner.observe(replace(two, samples_per_s=4200.0), room)  # within the bar: not faster
         windows += 1
     assert windows == 2 and tuner.current.workers == 0  # a trusted trial would keep it
-    tuner._refuted.add(3)
-    tuner.stable, tuner.settled_rate = True, 4300.0
-    for _ in range(2):  # a drift: the figures changed, the measurements are forgotten
+    assert tuner.observe(none, room) is None and tuner.stable and tuner._refuted == {2}
+    # A drift (its windows doubled by the vain retune): the figures changed, and the
+    # measurements with them are forgotten.
+    for _ in range(tuner_judge.DRIFT_WINDOWS * tuner._backoff):
         tuner.observe(replace(none, samples_per_s=3000.0), room)
     assert tuner.retuned == "drift" and not tuner._refuted

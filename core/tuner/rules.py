@@ -148,7 +148,7 @@ class Tuner:
             return None
         decision = self._shrink(epoch) or self._grow(epoch) or self._deepen(epoch)
         if decision is None:
-            if 0 < self._contended < CONTENDED:
+            if self._holding:
                 return None  # a cut held back for one more window (_shrink)
             if self._blind(epoch) and self._unseen < UNSEEN_EPOCHS:
                 self._unseen += 1  # the loop waits, but on what is not known yet
@@ -176,6 +176,12 @@ class Tuner:
                 > epoch.setting.workers)
         self._doubts = self._doubts + 1 if grow else 0
         return self._doubts >= REPROBE * self._backoff
+
+    @property
+    def _holding(self) -> bool:
+        """A cut of blocked workers waiting for a CPU is held back: fewer than CONTENDED
+        windows running have asked for it."""
+        return 0 < self._contended < CONTENDED
 
     def _wait_worth(self, epoch: Epoch) -> bool:
         """Whether the loop's wait for input is worth more workers: at least bands.MODERATE
@@ -342,7 +348,7 @@ class Tuner:
                 assert self.budget.cpus is not None
                 want = max(1, min(n, choose(epoch.load, self.budget.cpus, cap)))
                 self._contended = contended + 1 if want < n else 0
-                if 0 < self._contended < CONTENDED:
+                if self._holding:
                     want = n
             else:
                 top = (math.ceil(self.budget.cpus) if modelled and self.budget.cpus
