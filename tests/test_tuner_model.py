@@ -193,21 +193,23 @@ def test_a_trial_within_the_noise_is_measured_again_before_it_is_judged() -> Non
     assert Judge().verdict(80, 100, more=False)[0] == "undo"
 
 
-def test_the_models_first_workers_get_one_window_more_and_stay_unless_slower_past_it() -> None:
+def test_the_models_first_workers_get_one_window_more_and_stay_unless_slower() -> None:
     """Trusted (the model predicts them faster past the bar): two slow windows, which
-    undo an untrusted trial, are measured once more; kept unless the mean of the three is
-    slower past the bar (5% here: no noise seen)."""
+    undo an untrusted trial, are measured once more; kept when the mean of the three is
+    at least the rate they replaced (not past the bar: 5% here, no noise seen), undone
+    when it is slower at all, however little: the model's word is not kept against a
+    measurement."""
     untrusted = Judge()
     assert untrusted.verdict(90, 100, more=True)[0] == "again"
     assert untrusted.verdict(99, 100, more=True)[0] == "undo"
     trusted = Judge()
     assert trusted.verdict(90, 100, more=True, trusted=True)[0] == "again"
     assert trusted.verdict(99, 100, more=True, trusted=True)[0] == "again"
-    verdict, rate = trusted.verdict(100, 100, more=True, trusted=True)
-    assert verdict == "keep" and rate == pytest.approx(289 / 3)
-    for rate in (90, 92):
+    verdict, rate = trusted.verdict(111, 100, more=True, trusted=True)
+    assert verdict == "keep" and rate == pytest.approx(100)
+    for rate in (97, 99):  # fast tokenizers' 2 workers: within the bar, but slower
         assert trusted.verdict(rate, 100, more=True, trusted=True)[0] == "again"
-    assert trusted.verdict(91, 100, more=True, trusted=True) == ("undo", 91)
+    assert trusted.verdict(98, 100, more=True, trusted=True) == ("undo", pytest.approx(98))
     assert Judge().verdict(90, 100, more=False, trusted=True)[0] == "undo"  # fewer: as before
 
 
@@ -269,11 +271,12 @@ def test_the_limits_room_is_for_workers_beyond_those_running() -> None:
 
 def test_a_retune_that_finds_nothing_better_waits_twice_as_long_each_time() -> None:
     """A neighbour takes one of the two cores the budget counts: the model keeps asking
-    for 2 workers, which are no faster than one. The tuner tries them again, but each
-    time it settles back at one it waits twice as many windows before the next try. From
-    none, the model's first workers, no slower, are kept (the doctor advises them too):
-    it never goes back to none."""
+    for 2 workers, no faster than one and slower than none (2% here). The tuner tries them
+    again, but each time it settles back where it started it waits twice as many windows
+    before the next try. From none, the model's first workers (trusted) go back to none
+    too: they measured slower, which the model's word does not outweigh."""
     busy = Pipe(fetch=0.008, cpu=0.008, loop=0.0001, loop_cpu=0.0001, cpus=1.0)
+    assert busy.true_rate(0) > busy.true_rate(2) and busy.true_rate(1) >= busy.true_rate(2)
 
     def run(start: int) -> tuple[Tuner, list[int]]:
         rng, tuner, workers = random.Random(0), Tuner(Setting(start, 2)), []
@@ -282,14 +285,13 @@ def test_a_retune_that_finds_nothing_better_waits_twice_as_long_each_time() -> N
             tuner.observe(busy.window(tuner.current, rng), Budget(1, 32 * GiB, 16 * GiB, 2.0))
         return tuner, workers
 
-    tuner, workers = run(1)
-    tries = [i for i, (a, b) in enumerate(itertools.pairwise(workers)) if a == 1 < b]
-    gaps = [b - a for a, b in itertools.pairwise(tries)]
-    assert 2 <= len(tries) <= 6 and gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], tries
-    assert workers.count(1) >= 0.85 * len(workers), workers
-    assert tuner.retuned == "doubt"  # the model's ask, not a drift of the rate
-    _, workers = run(0)
-    assert workers[0] == 0 and 0 not in workers[1:], workers
+    for start in (1, 0):
+        tuner, workers = run(start)
+        tries = [i for i, (a, b) in enumerate(itertools.pairwise(workers)) if a == start < b]
+        gaps = [b - a for a, b in itertools.pairwise(tries)]
+        assert 2 <= len(tries) <= 6 and gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], tries
+        assert workers.count(start) >= 0.85 * len(workers), workers
+        assert tuner.retuned == "doubt"  # the model's ask, not a drift of the rate
 
 
 def test_a_step_too_small_for_the_judge_to_keep_is_not_tried() -> None:

@@ -9,8 +9,11 @@ MIN_GAIN):
   to RETRIES more windows: one bad window on a busy machine does not rule a direction
   out), then kept when its windows' mean is still MIN_GAIN faster (faster, if within the
   noise: never slower), else undone. A loader's first workers, which the model predicts
-  faster past the bar (trusted), get one window more and are kept then unless slower past
-  the bar: on a busy machine the prediction says more than a few noisy windows;
+  faster past the bar (trusted), get one window more and are kept then unless their mean
+  is slower at all: on a busy machine the prediction says more than a few noisy windows
+  that they are faster, never more than those windows that they are slower (fed with
+  figures measured without workers, the model cannot see what moving each batch from a
+  worker costs);
 - fewer: kept when no more than MIN_GAIN slower (the same speed with fewer workers is a
   gain in itself); undone when more than the bar slower; in between, measured again.
 
@@ -74,7 +77,8 @@ class Judge:
             verdict = ("keep" if gain >= -MIN_GAIN else "undo" if gain < -bar else "again")
         if verdict == "again" and len(self.trial) > (RETRIES_TRUSTED if more and trusted
                                                      else RETRIES):
-            verdict = "keep" if gain >= (MIN_GAIN if more and not trusted else -bar) else "undo"
+            floor = (0.0 if trusted else MIN_GAIN) if more else -bar
+            verdict = "keep" if gain >= floor else "undo"
         if verdict != "again":
             self.trial = []
         return verdict, mean
