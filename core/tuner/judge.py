@@ -10,10 +10,10 @@ MIN_GAIN):
   out), then kept when its windows' mean is still MIN_GAIN faster (faster, if within the
   noise: never slower), else undone. A loader's first workers, which the model predicts
   faster past the bar (trusted), get one window more and are kept then unless their mean
-  is slower at all: on a busy machine the prediction says more than a few noisy windows
-  that they are faster, never more than those windows that they are slower (fed with
-  figures measured without workers, the model cannot see what moving each batch from a
-  worker costs);
+  is slower at all: on a busy machine the prediction outweighs a few noisy windows that
+  find them faster but not by the bar, never windows whose mean finds them slower (fed
+  with figures measured without workers, the model cannot see what moving each batch
+  from a worker costs);
 - fewer: kept when no more than MIN_GAIN slower (the same speed with fewer workers is a
   gain in itself); undone when more than the bar slower; in between, measured again.
 
