@@ -89,7 +89,7 @@ class Tuner:
     _left: Setting | None = None  # the setting a retune left, until it settles
     retuned: str = ""  # why it last tuned again once settled: "drift" or "doubt"
     # The trial now running is a loader's first workers, which the model predicts faster
-    # past the bar: kept unless measured slower past the noise (judge.py).
+    # past the bar: one window more, kept unless their mean is slower at all (judge.py).
     _trusted: bool = False
     # Worker counts a trial measured slower (undone) since the figures last drifted: the
     # model's word for one of them is no longer trusted over that measurement.
