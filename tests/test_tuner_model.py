@@ -341,7 +341,6 @@ def test_blocked_workers_that_wait_for_a_cpu_are_cut_only_to_what_the_model_says
         assert got == want, decision
 
 
-
 def test_a_wait_whose_removal_the_judge_could_not_see_adds_no_workers() -> None:
     """Pillow-style: one worker makes a batch in 12 ms for a 29 ms step, yet the loop
     waits 7% (a batch late now and then). Idle workers read as blocked, so the measured
@@ -428,7 +427,7 @@ def test_a_count_measured_slower_is_not_kept_on_the_models_word_when_tried_again
     while tuner.current.workers == 2:
         tuner.observe(replace(two, samples_per_s=4200.0), room)  # within the bar: not faster
         windows += 1
-    assert windows == 2 and tuner.current.workers == 0  # a trusted trial would keep it
+    assert windows == 2 and tuner.current.workers == 0  # a trusted one: a third window
     assert tuner.observe(none, room) is None and tuner.stable and tuner._refuted == {2}
     # A drift (its windows doubled by the vain retune): the figures changed, and the
     # measurements with them are forgotten.
