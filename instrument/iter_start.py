@@ -100,7 +100,9 @@ class _Plan:
                                             instruments.rec.miscount)
         elif not self.reused:  # new workers: their one hook (hotpath/workerblock.py)
             instruments.before_pool(loader)
-            self.block = new_block(workers, start_method(loader) == "fork")
+            forked = start_method(loader) == "fork"
+            block = instruments.rec.workers.take_block(workers) if forked else None
+            self.block = block if block is not None else new_block(workers, forked)
             self.collate = TimedCollate(loader.collate_fn, self.block,
                                         loader.batch_sampler is not None, verify)
         self.workers = workers

@@ -1,16 +1,19 @@
 """Nothing the instrumentation takes outlives its loader: shared-memory blocks,
-descriptors, threads. Loaders are built without a registry, as a user builds them, and
-bare torch goes through the same steps first, so what torch itself keeps (a few cached
-shared-memory descriptors) is part of the baseline."""
+descriptors, threads (a loader name keeps one block, a page, for its next pool). Loaders
+are built without a registry, as a user builds them, and bare torch goes through the same
+steps first, so what torch itself keeps (a few cached shared-memory descriptors) is part
+of the baseline."""
 
 from __future__ import annotations
 
 import gc
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from support.helpers import deadline_poll
 from support.torch_helpers import SleepDataset
 from torch.utils.data import DataLoader as TorchDataLoader
@@ -69,3 +72,74 @@ def test_iterators_abandoned_mid_epoch_release_their_blocks_and_workers() -> Non
     for i in range(40):
         one_pass(instrument.DataLoader, bool(i % 2), stop_after=1, name="eval")
     assert deadline_poll(back_to(fds, threads), 10), (open_fds(), fds, os_threads(), threads)
+
+
+def _gone_pid() -> int:
+    """The pid of a child that has exited and been reaped."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+class _Iterator:  # stands in for torch's iterator: the tracker holds a weak reference
+    pass
+
+
+def test_a_names_next_pool_takes_the_last_blocks_only_once_its_workers_are_gone() -> None:
+    """A folded generation's block (an anonymous mapping for forked workers) is given to
+    the next pool, zeroed, only when no process that shared it exists any more, no one
+    else holds it, and it has the new pool's number of rows; otherwise it is released."""
+    from dataloader_exporter.instrument.hotpath.workerblock import new_block
+    from dataloader_exporter.instrument.worker_tracker import WorkerTracker
+
+    def folded(pids: list[int], rows: int = 2, held: list[Any] | None = None) -> Any:
+        tracker = WorkerTracker()
+        block = new_block(rows, forked=True)
+        block.fill_(pids[0])  # what the last pool's workers wrote (their pid, too)
+        if held is not None:
+            held.append(block)
+        it = _Iterator()
+        tracker.start(it, block, pids)
+        ref = weakref.ref(block)
+        del it, block  # the iterator collected: its generation is folded at the next call
+        return tracker, ref
+
+    gone = _gone_pid()
+    tracker, ref = folded([gone])
+    taken = tracker.take_block(2)
+    assert taken is not None and taken is ref() and not taken.any()
+    assert tracker.take_block(2) is None  # given once
+
+    tracker, ref = folded([gone, os.getpid()])  # one of them still exists
+    assert tracker.take_block(2) is None and ref() is None  # released
+
+    tracker, ref = folded([gone], rows=3)
+    assert tracker.take_block(2) is None and ref() is None
+
+    held: list[Any] = []
+    tracker, ref = folded([gone], held=held)  # someone else still reads it
+    assert tracker.take_block(2) is None and ref() is held[0] and held[0].eq(gone).all()
+
+
+def test_short_lived_loaders_of_a_name_count_each_workers_samples_once_through_one_block(
+        ) -> None:
+    """Loaders of one name built for one pass each: from the second on, the pool takes the
+    last one's block, and each worker's samples are still counted once per pass, as torch
+    hands them out (batches alternate between the two workers)."""
+    from torch.utils.data import TensorDataset
+
+    dataset = TensorDataset(torch.arange(64))
+    blocks = []
+    for n in range(3):
+        loader = instrument.DataLoader(dataset, batch_size=8, num_workers=2,
+                                       multiprocessing_context="fork", name="one-pass")
+        it = iter(loader)
+        blocks.append(weakref.ref(it._collate_fn.block))
+        assert [b[0].tolist() for b in it] == [list(range(i, i + 8)) for i in range(0, 64, 8)]
+        if n:
+            assert blocks[n]() is blocks[0]()
+        del it
+    workers = loader._instruments.rec.workers.per_worker()
+    assert [(w, s) for w, _, s, _ in workers] == [(0, 96), (1, 96)], workers
