@@ -16,20 +16,25 @@ TensorDataset and takes one epoch of 8 batches (batch_size=8):
                 the method (a target ratio within it cannot be told from noise)
 
 in two cases: num_workers=0, and num_workers=2 (workers started and shut down each epoch).
-Targets: +0.2 ms at most without workers, 1.02x at most with workers.
+Targets: +0.2 ms at most without workers, 1.02x at most with workers. --phases: where the
+2-worker case's added time goes instead: each round cut at the forks, iter()'s return, the
+first batch and the end, with this process's page faults in each part (after a fork, a page
+written faults once: copied while a worker still shares it).
 
-    python bench/short_lived.py [--quick] [--strict] [--rounds N]
+    python bench/short_lived.py [--quick] [--strict] [--rounds N] [--phases]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import logging
 import os
 import platform
 import random
+import resource
 import statistics
 import sys
 from collections.abc import Callable
@@ -68,18 +73,77 @@ def hooks(on: bool, auto: bool = False) -> None:
     zerocode_registry.Mode.auto = on and auto
 
 
-def one_epoch(make: Callable[..., Any], ds: TensorDataset, workers: int) -> int:
-    """ns to build a loader and take one epoch of it, and to drop it."""
+def one_epoch(make: Callable[..., Any], ds: TensorDataset, workers: int) -> float:
+    """ms to build a loader and take one epoch of it, and to drop it."""
     t0 = perf_counter_ns()
     loader = make(ds, batch_size=8, num_workers=workers)
     for _batch in loader:
         pass
     del loader
-    return perf_counter_ns() - t0
+    return (perf_counter_ns() - t0) / 1e6
 
 
-def run_case(workers: int, rounds: int) -> dict[str, list[float]]:
-    """Per variant, per round: ms for build + one epoch."""
+PHASES = ("build, to the first fork", "the forks", "after them, to iter()'s return",
+          "the first batch", "the other batches", "the drop")
+_FORK = os.fork
+
+
+def _mark() -> tuple[int, int]:
+    return perf_counter_ns(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def phased_epoch(make: Callable[..., Any], ds: TensorDataset, workers: int
+                 ) -> list[tuple[float, int]]:
+    """one_epoch in PHASES: (ms, this process's page faults) in each (workers > 0)."""
+    forks: list[tuple[int, int]] = []
+
+    def fork() -> int:  # what multiprocessing calls to start each worker
+        if not forks:
+            forks.append(_mark())
+        pid = _FORK()
+        if pid:  # this process: after the last fork so far
+            forks[1:] = [_mark()]
+        return pid
+
+    os.fork = fork
+    try:
+        marks = [_mark()]
+        loader = make(ds, batch_size=8, num_workers=workers)
+        it = iter(loader)
+        marks += [*forks, _mark()]
+        next(it)
+        marks.append(_mark())
+        for _batch in it:
+            pass
+        marks.append(_mark())
+        del it, loader
+        marks.append(_mark())
+    finally:
+        os.fork = _FORK
+    return [((b[0] - a[0]) / 1e6, b[1] - a[1]) for a, b in itertools.pairwise(marks)]
+
+
+def phases(rounds: int) -> None:
+    """Prints where the 2-worker case's added time and page faults go (paired medians)."""
+    times = run_case(2, rounds, phased_epoch)
+    print(f"\nnum_workers=2 in phases ({rounds} rounds): bare, and what each variant adds "
+          "(ms, page faults; medians paired within a round)")
+    print(f"  {'':<32}{'bare':>16}" + "".join(f"{v:>21}" for v in VARIANTS[1:]))
+    bare = times["bare"]
+    for i, name in enumerate(PHASES):
+        line = (f"  {name:<32}{statistics.median(r[i][0] for r in bare):9.3f} ms"
+                f"{statistics.median(r[i][1] for r in bare):5.0f}")
+        for v in VARIANTS[1:]:
+            pairs = list(zip(times[v], bare, strict=True))
+            ms = statistics.median(t[i][0] - b[i][0] for t, b in pairs)
+            faults = statistics.median(t[i][1] - b[i][1] for t, b in pairs)
+            line += f"{ms:+12.3f} ms{faults:+6.0f}"
+        print(line)
+
+
+def run_case(workers: int, rounds: int, epoch: Callable[..., Any] = one_epoch
+             ) -> dict[str, list[Any]]:
+    """Per variant, per round: ms for build + one epoch (or what `epoch` returns)."""
     ds = TensorDataset(torch.randn(64, 16), torch.arange(64))
     makers: dict[str, tuple[Callable[..., Any], bool, bool]] = {
         "bare": (DataLoader, False, False),
@@ -89,8 +153,8 @@ def run_case(workers: int, rounds: int) -> dict[str, list[float]]:
     }
     for make, on, auto in makers.values():  # warm-up: imports, first-use caches
         hooks(on, auto)
-        one_epoch(make, ds, workers)
-    out: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        epoch(make, ds, workers)
+    out: dict[str, list[Any]] = {v: [] for v in VARIANTS}
     shuffle = random.Random(workers)  # a fixed order of orders: reruns alike
     for _ in range(rounds):
         order = list(VARIANTS)
@@ -98,7 +162,7 @@ def run_case(workers: int, rounds: int) -> dict[str, list[float]]:
         for v in order:
             make, on, auto = makers[v]
             hooks(on, auto)
-            out[v].append(one_epoch(make, ds, workers) / 1e6)
+            out[v].append(epoch(make, ds, workers))
     hooks(False)
     return out
 
@@ -138,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few rounds, for a smoke run")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     ap.add_argument("--rounds", type=int, default=0, help="rounds per case (default 300/150)")
+    ap.add_argument("--phases", action="store_true",
+                    help="where the 2-worker case's added time goes, instead of the checks")
     args = ap.parse_args(argv)
     logging.getLogger("dataloader_exporter.instrument").setLevel(logging.ERROR)
     os.environ.pop(ENV_DIR, None)  # no snapshot thread: registries stay local
@@ -148,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
           f"CPUs, 1 torch thread")
     r0 = args.rounds or (30 if args.quick else 300)
     r2 = args.rounds or (6 if args.quick else 150)
+    if args.phases:
+        phases(r2)
+        return 0
     no_workers = summarize(run_case(0, r0))
     report("num_workers=0", r0, no_workers)
     workers = summarize(run_case(2, r2))
