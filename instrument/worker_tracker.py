@@ -4,9 +4,9 @@ A generation is one torch iterator's workers: their shared-memory block
 (hotpath/workerblock.py; None for wrapped loaders) and their pids. It is watched while
 its workers should be alive, and folded into per-worker totals once torch's iterator is
 collected (torch has shut the workers down by then); its block is then released, or kept
-for the name's next pool (take_block). The finalizer
-only queues the generation: the fold happens at the next locked call, so a garbage
-collection inside a locked call (a scrape, say) cannot count a generation twice.
+for the name's next pool (take_block). The finalizer only queues the generation: the fold
+happens at the next locked call, so a garbage collection inside a locked call (a scrape,
+say) cannot count a generation twice.
 
 A watched worker that is gone counts as lost only when that is known: it was killed or
 exited non-zero (read without reaping it: waitid with WNOWAIT, the check torch's own
