@@ -61,7 +61,8 @@ def test_the_data_library_benchmark_decodes_real_samples_in_workers() -> None:
     """The tokenizers class (a Rust tokenizer trained in the run, its samples read by
     forked workers) for half a second a setting: structure only, as above."""
     result = subprocess.run([sys.executable, str(REPO / "bench" / "tuner_libraries.py"),
-                             "--classes", "tokenizers", "--fixed", "0.5", "--tuned", "2"],
+                             "--classes", "tokenizers", "--fixed", "0.5", "--tuned", "2",
+                             "--runs", "1"],
                             capture_output=True, text=True, timeout=180, cwd=REPO)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.splitlines()[-1])
@@ -69,6 +70,44 @@ def test_the_data_library_benchmark_decodes_real_samples_in_workers() -> None:
     counts = [str(n) for n in range(summary["cores"] + 2)]
     assert list(got["fixed"]) == counts and all(v > 0 for v in got["fixed"].values()), got
     assert got["tuned"] > 0 and set(summary["checks"]) == {"tokenizers: tuned/best >= 0.90"}
+
+
+def test_classes_run_again_are_judged_on_the_median_of_their_runs(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/tuner_libraries.py --runs: where fixed settings tie within the noise, one
+    run's best is the luckiest of them; the goal is judged on the median of the runs'
+    ratios, each run printed."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import tuner
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    runs = iter([(0.70, 0.78, 0.88), (0.93, 0.90, 1.12), (0.97, 0.93, None),
+                 (0.85, 0.85, 1.0)])
+
+    def canned(kind: object, fixed_s: float, tuned_s: float) -> dict[str, object]:
+        ratio, to_max, choice = next(runs)
+        return {"fixed": {"0": 4000.0, "2": 3900.0}, "best": 0, "choice": choice,
+                "chosen": [0, 2], "tuned": 4000.0 * ratio,
+                "tuned_settings": {"num_workers": 0, "prefetch_factor": None},
+                "ratio": ratio, "ratio_to_max": to_max, "changes": []}
+
+    monkeypatch.setattr(tuner, "one_class", canned)
+    kind = tuner.kinds(2)["cpu-trivial"]
+    r = tuner.class_runs(kind, 1.0, 1.0, 3)
+    checks: dict[str, bool] = {}
+    tuner.report_class("cpu-trivial", r, checks)
+    # Not the first, the last or the mean (0.87) of the runs' ratios.
+    assert (r["ratio"], r["ratio_to_max"], r["choice"]) == (0.93, 0.90, 1.0), r
+    assert len(r["runs"]) == 3 and checks == {"cpu-trivial: tuned/best >= 0.90": True}
+    out = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("cpu-trivial    fixed samples/s") for line in out) == 3, out
+    assert out[-1].startswith("cpu-trivial    median of 3 runs: tuned/best 0.93"), out
+    one = tuner.class_runs(kind, 1.0, 1.0, 1)  # one run: judged on it alone
+    tuner.report_class("cpu-trivial", one, checks)
+    assert one["ratio"] == 0.85 and "runs" not in one
+    assert checks == {"cpu-trivial: tuned/best >= 0.90": False}
+    assert not any("median" in line for line in capsys.readouterr().out.splitlines())
 
 
 CHECKS = ("events", "bytes", "overlap", "nvml", "uuid")  # bench/gpu_check.py's
