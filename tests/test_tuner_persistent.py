@@ -214,6 +214,36 @@ def test_a_pool_is_kept_when_its_start_stalls_the_epoch_and_memory_holds_it_twic
     assert not keep_pool(_epoch(None, 5.0), room)[0]  # no pool started at iter()
 
 
+@pytest.mark.parametrize("share", [0.2, 0.02], ids=["kept", "not-kept"])
+def test_the_epoch_whose_pool_auto_keeps_is_judged_without_its_start(
+        registry: CollectorRegistry, share: float) -> None:
+    """The model's first workers, tried from none: their first epoch paid the new pool's
+    start. Where auto keeps that pool from then on, the trial's window is that epoch as the
+    kept pool runs it (3600 samples/s over 80% of its wall: 4500), which the epochs to come
+    are judged with; a pool not kept (a 2% start) pays its start every epoch, as judged."""
+    from dataloader_exporter.core.tuner.model import Load
+    from dataloader_exporter.instrument.tuner.epoch import take_mark
+
+    loader = instrument.DataLoader(Random(), batch_size=BATCH, name="judged",
+                                   registry=registry,
+                                   tune=("num_workers", "persistent_workers"))
+    assert len(list(loader)) == N // BATCH  # the tuner starts at the first iter()
+    tuning = loader._instruments.tuning
+    assert tuning is not None and tuning.keeping.deciding
+    room = Budget(1, 32 << 30, 16 << 30, 2.0)
+    none = Epoch(Setting(0, 2), 4300.0, 0.78, worker_bytes=128 << 20, batch_bytes=1 << 16,
+                 burstiness=1.5, load=Load(0.0035, 0.0035, 0.0009, 0.0009))
+    first = tuning._observe(none, room)
+    assert first is not None and first.new == 2 and tuning.tuner._trusted
+    two = Epoch(first.setting, 3600.0, 0.05, 0.9, 0.05, 0.05, 128 << 20, 1 << 16, 1.5,
+                start_s=share, start_share=share)
+    mark = take_mark(tuning.rec, loader, setting=first.setting, fresh_pool=True)
+    assert tuning._once(two, room, mark)  # a new pool that was not persistent: judged
+    assert tuning._observe(two, room) is None  # within the bar: one more window
+    assert tuning.keeping.kept is (share == 0.2)
+    assert tuning.tuner._judge.trial == [pytest.approx(4500.0 if share == 0.2 else 3600.0)]
+
+
 def test_a_deeper_queue_keeps_a_persistent_pool_and_its_batches(
         registry: CollectorRegistry, keep_log: pytest.LogCaptureFixture) -> None:
     """A prefetch_factor change between epochs of a persistent pool: the same workers,

@@ -12,9 +12,14 @@ runs). So the tuner keeps it when both hold:
 - room: the memory left with no pool holds the pool twice over: kept, it leaves room
   for another of its size (a validation loader's) between epochs. An unknown figure keeps
   nothing, as unknown figures block growth in the other rules.
+
+The epoch whose pool is kept is then judged as the kept pool will run (as_kept): without
+its start, which the epochs to come do not pay.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from dataloader_exporter.core import bands
 from dataloader_exporter.core.tuner.types import Budget, Epoch
@@ -39,3 +44,13 @@ def keep_pool(epoch: Epoch, budget: Budget) -> tuple[bool, str]:
         return False, (f"{start}, but the {held >> 20} MiB it holds would leave less than "
                        f"that again of the {budget.memory_room >> 20} MiB left")
     return True, f"{start}; it holds {held >> 20} MiB of the {budget.memory_room >> 20} MiB left"
+
+
+def as_kept(epoch: Epoch) -> Epoch:
+    """`epoch` as its pool, kept, would have run it: its rate over its wall time less the
+    pool's start (start_s), the other figures as measured; `epoch` itself where no start
+    was measured."""
+    share = epoch.start_share
+    if epoch.start_s is None or share is None or not 0 < share < 1:
+        return epoch
+    return replace(epoch, samples_per_s=epoch.samples_per_s / (1 - share))

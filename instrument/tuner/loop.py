@@ -40,7 +40,7 @@ import torch.utils.data
 
 from dataloader_exporter.core.settings import ENV_SETTINGS, SettingsError, log_name, parse
 from dataloader_exporter.core.tuner.judge import DRIFT
-from dataloader_exporter.core.tuner.persist import keep_pool
+from dataloader_exporter.core.tuner.persist import as_kept, keep_pool
 from dataloader_exporter.core.tuner.rules import REASONS_OF, Tuner
 from dataloader_exporter.core.tuner.types import Budget, Decision, Epoch, Setting
 
@@ -223,7 +223,10 @@ class LoaderTuning:
 
     def _observe(self, epoch: Epoch, room: Budget) -> Decision | None:
         """The tuner's judgement of `epoch`; a drift said; a pool kept from now on (auto's
-        verdict just made) starts its setting's rates anew (those seen paid its start)."""
+        verdict just made on `epoch`) is judged as it will run, without its start
+        (persist.as_kept), and starts its setting's rates anew (those seen paid it)."""
+        if self._kept_now:
+            epoch = as_kept(epoch)
         settled = self.tuner.stable
         decision = self.tuner.observe(epoch, room)
         if settled and not self.tuner.stable:
