@@ -19,9 +19,10 @@ in two cases: num_workers=0, and num_workers=2 (workers started and shut down ea
 Targets: +0.2 ms at most without workers, 1.02x at most with workers. --phases: where the
 2-worker case's added time goes instead: each round cut at the forks, iter()'s return, the
 first batch and the end, with this process's page faults in each part (after a fork, a page
-written faults once: copied while a worker still shares it).
+written faults once: copied while a worker still shares it). --functions: the Python
+functions a round runs beyond bare's, a count that does not vary with the machine's load.
 
-    python bench/short_lived.py [--quick] [--strict] [--rounds N] [--phases]
+    python bench/short_lived.py [--quick] [--strict] [--rounds N] [--phases | --functions]
 """
 
 from __future__ import annotations
@@ -141,6 +142,47 @@ def phases(rounds: int) -> None:
         print(line)
 
 
+# torch's SIGCHLD handler, run in some rounds only, as a worker's exit falls.
+_SIGNALS = ("signal_handling.py",)
+
+
+def functions(workers: int = 2) -> dict[str, list[str]]:
+    """Per measured variant, the Python functions each of its rounds runs (three, after
+    warm-up rounds) that no round of bare's does, as "path:line name". A page written
+    after a fork faults once; each function run writes its own object and its code's
+    (their reference counts and the interpreter's inline caches), so this count, unlike a
+    time, is the same on a busy machine."""
+    ds = TensorDataset(torch.randn(64, 16), torch.arange(64))
+    makers = {"bare": (DataLoader, False, False),
+              "instrumented": (instrument.DataLoader, True, False),
+              "zero-code": (DataLoader, True, True)}
+    ran: dict[str, set[str]] = {}
+    root = str(Path(__file__).resolve().parent.parent) + os.sep
+    for variant, (make, on, auto) in makers.items():
+        hooks(on, auto)
+        for _ in range(3):
+            one_epoch(make, ds, workers)
+        rounds: list[set[str]] = []
+        for _ in range(3):
+            seen: set[str] = set()
+
+            def called(frame: Any, event: str, _arg: Any, seen: set[str] = seen) -> None:
+                code = frame.f_code
+                if event == "call" and not code.co_filename.endswith(_SIGNALS):
+                    seen.add(f"{code.co_filename.replace(root, '')}:{code.co_firstlineno} "
+                             f"{code.co_name}")
+
+            sys.setprofile(called)
+            try:
+                one_epoch(make, ds, workers)
+            finally:
+                sys.setprofile(None)
+            rounds.append(seen)
+        ran[variant] = (set.union if variant == "bare" else set.intersection)(*rounds)
+    hooks(False)
+    return {v: sorted(ran[v] - ran["bare"]) for v in MEASURED}
+
+
 def run_case(workers: int, rounds: int, epoch: Callable[..., Any] = one_epoch
              ) -> dict[str, list[Any]]:
     """Per variant, per round: ms for build + one epoch (or what `epoch` returns)."""
@@ -204,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=0, help="rounds per case (default 300/150)")
     ap.add_argument("--phases", action="store_true",
                     help="where the 2-worker case's added time goes, instead of the checks")
+    ap.add_argument("--functions", action="store_true",
+                    help="the Python functions a 2-worker round runs beyond bare's, instead")
     args = ap.parse_args(argv)
     logging.getLogger("dataloader_exporter.instrument").setLevel(logging.ERROR)
     os.environ.pop(ENV_DIR, None)  # no snapshot thread: registries stay local
@@ -216,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     r2 = args.rounds or (6 if args.quick else 150)
     if args.phases:
         phases(r2)
+        return 0
+    if args.functions:
+        for variant, names in functions().items():
+            print(f"\n{variant}: {len(names)} functions more than bare's in one round")
+            for name in names:
+                print(f"  {name}")
         return 0
     no_workers = summarize(run_case(0, r0))
     report("num_workers=0", r0, no_workers)

@@ -166,3 +166,18 @@ def test_short_epoch_classes_run_again_are_judged_on_the_median_of_their_runs(
     out = capsys.readouterr().out.splitlines()
     assert sum(line.startswith("storage-epochs samples/s over the last") for line in out) == 3
     assert out[-1].startswith("storage-epochs median of 3 runs: tuned/best"), out
+
+
+def test_the_short_lived_benchmark_lists_the_functions_a_round_runs_beyond_bares() -> None:
+    """--functions: what instrumentation runs in a 2-worker round that torch's loader does
+    not; torch's own loader code runs in bare's rounds too, so none of it is listed."""
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "short_lived.py"),
+                             "--functions"], capture_output=True, text=True, timeout=180,
+                            cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for variant in ("instrumented", "zero-code"):
+        head = next(line for line in out.splitlines() if line.startswith(variant + ":"))
+        assert int(head.split()[1]) > 0
+    assert "instrument/iter_start.py" in out and "instrumented_iter" in out
+    assert "torch/utils/data/dataloader.py" not in out
