@@ -143,7 +143,7 @@ def phases(rounds: int) -> None:
 
 
 # torch's SIGCHLD handler, run in some rounds only, as a worker's exit falls.
-_SIGNALS = ("signal_handling.py",)
+_SIGNALS = ("torch/utils/data/_utils/signal_handling.py",)
 
 
 def functions(workers: int = 2) -> dict[str, list[str]]:

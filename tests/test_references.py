@@ -22,6 +22,7 @@ ELSEWHERE = {
     "model.cc", "docker-compose.yml", "prometheus.yml", "mkdocs.yml", "README.md",
     "__init__.py", "torch/utils/data/dataloader.py", "worker.py", "pyproject.toml",
     "data.py", "test/stateful_dataloader/test_state_dict.py", "test_state_dict_subset.py",
+    "torch/utils/data/_utils/signal_handling.py",
 }
 
 
