@@ -6,7 +6,9 @@ its workers should be alive, and folded into per-worker totals once torch's iter
 collected (torch has shut the workers down by then); its block is then released, or kept
 for the name's next pool (take_block). The finalizer only queues the generation: the fold
 happens at the next locked call, so a garbage collection inside a locked call (a scrape,
-say) cannot count a generation twice.
+say) cannot count a generation twice. start() only queues a new generation too, taken in at
+the next locked call: it runs while the new workers share this process's memory, where
+each page written is copied.
 
 A watched worker that is gone counts as lost only when that is known: it was killed or
 exited non-zero (read without reaping it: waitid with WNOWAIT, the check torch's own
@@ -30,12 +32,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import torch
+import numpy
 
 from dataloader_exporter.core.catalogue import FAILURE_CAUSES
 from dataloader_exporter.core.facts.cgroup import cgroup_memory_available
 from dataloader_exporter.core.facts.memory import host_memory
 
+from .compat import worker_pids
 from .failure_causes import (
     ALIVE,
     CRASH,
@@ -50,7 +53,7 @@ from .failure_causes import (
     signal_name,
 )
 from .hotpath.layout import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED
-from .hotpath.workerblock import own_figures
+from .hotpath.workerblock import Block, own_figures, rows_of
 from .procstat import Figures, LoopAccount, ProcAccount
 
 
@@ -109,10 +112,14 @@ class _Gone(weakref.ref):
 
 
 class _Generation:
-    __slots__ = ("block", "pids", "ref", "watched")
+    """One torch iterator's workers: their block's rows (numpy) and whether it is a forked
+    pool's (an anonymous mapping, which take_block may give the name's next pool)."""
 
-    def __init__(self, block: torch.Tensor | None, pids: list[int]) -> None:
-        self.block = block
+    __slots__ = ("block", "forked", "pids", "ref", "watched")
+
+    def __init__(self, block: Block | None, pids: list[int]) -> None:
+        self.block = None if block is None else rows_of(block)
+        self.forked = type(block) is numpy.ndarray  # new_block(forked=True)
         self.pids = set(pids)
         self.watched = True
         self.ref: _Gone | None = None  # its iterator, queued on _collected when collected
@@ -153,9 +160,13 @@ class WorkerTracker:
         self._seen: dict[int, tuple[float, int] | None] = {}  # pid -> last alive reading
         self._batches_seen = 0  # the loader's batches at the last /proc reading
         self._prepared: tuple[tuple[float, int] | None] | None = None  # see prepare()
+        # Generations started and not yet taken in: (their iterator's reference, block,
+        # pids or None, the OOM-kill reading before their workers started); see start().
+        self._starting: deque[tuple[_Gone, Block | None, list[int] | None,
+                                    tuple[float, int] | None]] = deque()
         # The last folded generation's block, its rows and every pid that shared it
         # (take_block).
-        self._spare: tuple[torch.Tensor, int, frozenset[int]] | None = None
+        self._spare: tuple[numpy.ndarray, int, frozenset[int]] | None = None
 
     # --- fed by the loader ------------------------------------------------------------
     def prepare(self) -> None:
@@ -168,21 +179,32 @@ class WorkerTracker:
             self._fold_collected()
             self._prepared = (oom_watch().read(self.min_interval),)
 
-    def start(self, iterator: Any, block: torch.Tensor | None, pids: list[int]) -> int:
-        """Watches a new (weak-referenceable) iterator's workers until it is collected."""
+    def start(self, iterator: Any, block: Block | None, pids: list[int] | None = None) -> int:
+        """Watches a new (weak-referenceable) iterator's workers until it is collected;
+        pids None: read from the iterator (its `_workers`). Called while the workers start,
+        it only queues them (each page written while forked workers share it is copied);
+        the next locked call takes them in (_adopt)."""
+        ref = _Gone(iterator, self._collected.append)
         with self._lock:
-            self._fold_collected()
             self._ids += 1
-            key = self._ids
-            gen = self._live[key] = _Generation(block, [p for p in pids if p])
+            ref.key = key = self._ids
             self._next = 0.0
             # The count before these workers can be killed (read by prepare() if it ran).
-            reading = self._prepared[0] if self._prepared else oom_watch().read()
+            prepared = self._prepared or (oom_watch().read(),)
             self._prepared = None
-            self._seen.update(dict.fromkeys(gen.pids, reading))
-        gen.ref = _Gone(iterator, self._collected.append)  # no lock: see the docstring
-        gen.ref.key = key
+            self._starting.append((ref, block, pids, prepared[0]))
         return key
+
+    def _adopt(self) -> None:
+        """Takes in the generations start() queued (lock held). Where the iterator is gone
+        already, its pids are those its workers wrote in the block (all_pids)."""
+        while self._starting:
+            ref, block, pids, reading = self._starting.popleft()
+            if pids is None:
+                pids = worker_pids(ref())
+            gen = self._live[ref.key] = _Generation(block, [p for p in pids if p])
+            gen.ref = ref
+            self._seen.update(dict.fromkeys(gen.pids, reading))
 
     def stop(self, key: int) -> None:
         """Its workers ended on purpose (the end of a non-persistent epoch): stop watching.
@@ -210,7 +232,9 @@ class WorkerTracker:
             self._seen.pop(pid, None)
 
     def _fold_collected(self) -> None:
-        """Folds the generations whose iterator is gone into the totals (lock held)."""
+        """Folds the generations whose iterator is gone into the totals (lock held), once
+        those queued are taken in."""
+        self._adopt()
         while self._collected:
             gen = self._live.pop(self._collected.popleft().key, None)
             if gen is None:
@@ -232,10 +256,10 @@ class WorkerTracker:
         less an epoch with it kept (two runs of 600 paired rounds, 2 workers)."""
         block = gen.block
         # gen's slot, `block` and getrefcount's argument: no one else's.
-        if block is not None and not block.is_shared() and sys.getrefcount(block) <= 3:
+        if block is not None and gen.forked and sys.getrefcount(block) <= 3:
             self._spare = (block, len(rows), frozenset(gen.pids))
 
-    def take_block(self, num_workers: int) -> torch.Tensor | None:
+    def take_block(self, num_workers: int) -> numpy.ndarray | None:
         """For a new pool of forked workers: the block of the name's last folded pool,
         zeroed, where it has num_workers rows and no process that shared it exists any
         more (a worker torch could only terminate may still write); else None. A block
@@ -248,7 +272,8 @@ class WorkerTracker:
         block, rows, pids = spare
         if rows != num_workers or any(map(_exists, pids)):
             return None
-        return block.zero_()
+        block.fill(0)
+        return block
 
     # --- read by the collector ---------------------------------------------------------
     def refresh(self, now: float, on_error: bool = False,
@@ -363,7 +388,8 @@ class WorkerTracker:
         finishes a batch (its heartbeat), a worker is lost or a failure counted; not with
         liveness or memory, which change without any of these."""
         with self._lock:
-            beats = sum(int(g.block.numpy()[:, HEARTBEAT].sum()) for g in self._live.values()
+            self._adopt()
+            beats = sum(int(g.block[:, HEARTBEAT].sum()) for g in self._live.values()
                         if g.block is not None)
             return (self._ids, self._stops, len(self._collected), beats, self.lost,
                     *self.failures.values())
