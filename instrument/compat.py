@@ -19,7 +19,7 @@ from typing import Any
 
 
 def worker_pids(iterator: Any) -> list[int]:
-    """Pids of a DataLoader iterator's worker processes, or [] when unknown (None too)."""
+    """Pids of a DataLoader iterator's worker processes, or [] when unknown."""
     workers = getattr(iterator, "_workers", None)
     if not isinstance(workers, list):
         return []

@@ -27,7 +27,6 @@ from .failure_causes import from_exitcode
 from .hotpath.batch import batch_nbytes
 from .hotpath.recorder import LoaderRecorder
 from .hotpath.transfer import timed_to_device
-from .hotpath.workerblock import Block
 from .hub import Hub, hub_for
 from .preflight import LoaderConfig, Preflight, process_shm_size
 from .rank import current_rank, local_world_size
@@ -84,7 +83,7 @@ class Instruments:
         self._failures = LogOnce(log)  # one line per failure cause
         self._urgent_once: set[str] = set()  # causes whose first failure was waited for
         # Workers a loader started outside __iter__ (prestart): their iterator and block.
-        self.started: tuple[weakref.ref[Any], Block] | None = None
+        self.started: tuple[weakref.ref[Any], torch.Tensor] | None = None
         # The last iter()'s plan, while nothing needs planning again (iter_start._Kept).
         self.kept: Any = None
         directory = metrics_dir or os.environ.get(ENV_DIR) or None
@@ -277,7 +276,7 @@ class Instruments:
             self._last_gen = 0
         workers.prepare()
 
-    def track(self, it: Any, block: Block | None) -> int:
+    def track(self, it: Any, block: torch.Tensor | None) -> int:
         """Tracks the workers of a new iterator until it is collected; 0 when there are none."""
         if self.tracking(it):
             return self._last_gen
@@ -285,8 +284,7 @@ class Instruments:
         if self._last_gen and not self.config.persistent_workers:
             workers.stop(self._last_gen)  # a new epoch: torch shuts the old ones down on purpose
             self._last_gen = 0
-        # With a block, the tracker reads the pids itself once the workers have started.
-        pids = compat.worker_pids(it) if block is None else None
+        pids = compat.worker_pids(it)
         if block is None and not pids:
             # Workers we cannot see (a loader that is not torch's) are unknown, not 0.
             workers.blind = self.config.num_workers != 0
@@ -297,7 +295,7 @@ class Instruments:
         except TypeError:  # cannot tell when it goes away, so its workers are not tracked
             self._last_it = None
             return 0
-        self._last_gen = workers.start(it, block, pids)
+        self._last_gen = self.rec.workers.start(it, block, pids)
         return self._last_gen
 
     def first_batch(self, batch: Any, since_iter_ns: int) -> None:
@@ -311,9 +309,7 @@ class Instruments:
         self.epochs += 1
         rec.epochs += 1
         try:
-            # A pool of workers is checked at each epoch (the not-persistent advice).
-            if tuning is not None or self.config.num_workers or not self.preflight.settled(
-                    self.config):
+            if tuning is not None or not self.preflight.settled(self.config):
                 self.preflight.on_iter(self.config, self.epochs, tuning is not None and
                                        "num_workers" in tuning.tuned and not tuning.advice_only,
                                        tuning is not None and tuning.keeping.mode != "torch")

@@ -33,7 +33,7 @@ from dataloader_exporter.core.settings import log_name
 from . import compat
 from .hotpath.batch import batch_len, collated_len, item_len
 from .hotpath.iterator import Counter, FullBatches, QuietIterator, TimedIterator
-from .hotpath.workerblock import Block, TimedCollate, new_block, start_method
+from .hotpath.workerblock import TimedCollate, new_block, start_method
 from .instruments import Instruments
 from .preflight import process_shm_size
 from .torch_originals import TORCH_ITER, lazy
@@ -87,7 +87,7 @@ class _Plan:
         self.count = counter_for(loader)
         workers = getattr(loader, "num_workers", 0) or 0
         verify = self.count is batch_len and not quiet
-        self.block: Block | None = None
+        self.block: torch.Tensor | None = None
         self.collate: TimedCollate | None = None
         current = compat.persistent_iterator(loader)
         started = instruments.started
@@ -224,9 +224,6 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
                     log_name(instruments.name), type(loader).__qualname__, exc_info=True)
         return torch_iter(loader)
     tuning = instruments.tuning
-    # Read before torch's iter() forks the workers: a page this process writes while
-    # they run is copied.
-    sized = _sized(loader, plan, torch_iter_as_is, undo, tuning)
     try:
         it = _start(loader, plan, torch_iter, tuning is not None and not tuning.advice_only
                     and plan.workers != tuning.tuner.start.workers)
@@ -235,7 +232,6 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
             raise
         plan, it = _again(loader, instruments, torch_iter, quiet)
         undo = None
-        sized = _sized(loader, plan, torch_iter_as_is, undo, tuning)
     if torch_iter_as_is is not TORCH_ITER and inspect.isgenerator(it):
         lazy(torch_iter_as_is)
         return it
@@ -245,10 +241,10 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     gen = instruments.track(it, plan.block) if plan.workers else 0
     if quiet:
         return QuietIterator(it, instruments, start, gen, plan.count)
-    if tuning is None:  # timed_iterator's first case, without the call
-        timed = TimedIterator(it, instruments, start, gen, plan.count, sized)
-    else:
-        timed = timed_iterator(it, instruments, start, gen, plan.count, sized, not plan.workers)
+    tuning_now = tuning is not None and not tuning.tuner.stable  # instruments.tuning_now
+    sized = (fixed_size(loader) if plan.count is collated_len and torch_iter_as_is is TORCH_ITER
+             and undo is None and not tuning_now else None)
+    timed = timed_iterator(it, instruments, start, gen, plan.count, sized, not plan.workers)
     if (not plan.workers and plan.collate is None and tuning is None and wrap is None
             and torch_iter_as_is is TORCH_ITER and type(loader) in PLAIN_LOADERS
             and instruments._made is not None):
@@ -259,7 +255,6 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     from .tuner.iterator import TunedIterator
 
     assert isinstance(timed, TunedIterator)
-    tuning_now = not tuning.tuner.stable  # instruments.tuning_now
     if undo is not None:  # its first batch may fail in the workers: the same epoch without
         timed._retry = _retry(loader, instruments, undo, torch_iter)
     if tuning_now:
@@ -271,17 +266,6 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
             timed._resume = switcher(loader, instruments, timed, torch_iter,
                                      functools.partial(_again, loader, instruments))
     return timed
-
-
-def _sized(loader: Any, plan: _Plan, torch_iter: Callable[[Any], Any], undo: Any,
-           tuning: Any) -> FullBatches | None:
-    """fixed_size(loader) where its full batches may be counted without a walk: counted
-    by default_collate's shape, through torch's own __iter__, and not in a tuner's epoch
-    (whose iterator reads the loop, or whose first pool may be undone)."""
-    if (plan.count is not collated_len or torch_iter is not TORCH_ITER or undo is not None
-            or (tuning is not None and not tuning.tuner.stable)):
-        return None
-    return fixed_size(loader)
 
 
 def _start(loader: Any, plan: _Plan, torch_iter: Callable[[Any], Any],

@@ -6,9 +6,7 @@ its workers should be alive, and folded into per-worker totals once torch's iter
 collected (torch has shut the workers down by then); its block is then released, or kept
 for the name's next pool (take_block). The finalizer only queues the generation: the fold
 happens at the next locked call, so a garbage collection inside a locked call (a scrape,
-say) cannot count a generation twice. start() only queues a new generation too, taken in at
-the next locked call: it runs while the new workers share this process's memory, where
-each page written is copied.
+say) cannot count a generation twice.
 
 A watched worker that is gone counts as lost only when that is known: it was killed or
 exited non-zero (read without reaping it: waitid with WNOWAIT, the check torch's own
@@ -32,13 +30,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import numpy
+import torch
 
 from dataloader_exporter.core.catalogue import FAILURE_CAUSES
 from dataloader_exporter.core.facts.cgroup import cgroup_memory_available
 from dataloader_exporter.core.facts.memory import host_memory
 
-from .compat import worker_pids
 from .failure_causes import (
     ALIVE,
     CRASH,
@@ -53,7 +50,7 @@ from .failure_causes import (
     signal_name,
 )
 from .hotpath.layout import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED
-from .hotpath.workerblock import Block, own_figures, rows_of
+from .hotpath.workerblock import own_figures
 from .procstat import Figures, LoopAccount, ProcAccount
 
 
@@ -112,14 +109,10 @@ class _Gone(weakref.ref):
 
 
 class _Generation:
-    """One torch iterator's workers: their block's rows (numpy) and whether it is a forked
-    pool's (an anonymous mapping, which take_block may give the name's next pool)."""
+    __slots__ = ("block", "pids", "ref", "watched")
 
-    __slots__ = ("block", "forked", "pids", "ref", "watched")
-
-    def __init__(self, block: Block | None, pids: list[int]) -> None:
-        self.block = None if block is None else rows_of(block)
-        self.forked = type(block) is numpy.ndarray  # new_block(forked=True)
+    def __init__(self, block: torch.Tensor | None, pids: list[int]) -> None:
+        self.block = block
         self.pids = set(pids)
         self.watched = True
         self.ref: _Gone | None = None  # its iterator, queued on _collected when collected
@@ -160,13 +153,9 @@ class WorkerTracker:
         self._seen: dict[int, tuple[float, int] | None] = {}  # pid -> last alive reading
         self._batches_seen = 0  # the loader's batches at the last /proc reading
         self._prepared: tuple[tuple[float, int] | None] | None = None  # see prepare()
-        # Generations started and not yet taken in: (their iterator's reference, block,
-        # pids or None, the OOM-kill reading before their workers started); see start().
-        self._starting: deque[tuple[_Gone, Block | None, list[int] | None,
-                                    tuple[float, int] | None]] = deque()
         # The last folded generation's block, its rows and every pid that shared it
         # (take_block).
-        self._spare: tuple[numpy.ndarray, int, frozenset[int]] | None = None
+        self._spare: tuple[torch.Tensor, int, frozenset[int]] | None = None
 
     # --- fed by the loader ------------------------------------------------------------
     def prepare(self) -> None:
@@ -179,32 +168,21 @@ class WorkerTracker:
             self._fold_collected()
             self._prepared = (oom_watch().read(self.min_interval),)
 
-    def start(self, iterator: Any, block: Block | None, pids: list[int] | None = None) -> int:
-        """Watches a new (weak-referenceable) iterator's workers until it is collected;
-        pids None: read from the iterator (its `_workers`). Called while the workers start,
-        it only queues them (each page written while forked workers share it is copied);
-        the next locked call takes them in (_adopt)."""
-        ref = _Gone(iterator, self._collected.append)
+    def start(self, iterator: Any, block: torch.Tensor | None, pids: list[int]) -> int:
+        """Watches a new (weak-referenceable) iterator's workers until it is collected."""
         with self._lock:
+            self._fold_collected()
             self._ids += 1
-            ref.key = key = self._ids
+            key = self._ids
+            gen = self._live[key] = _Generation(block, [p for p in pids if p])
             self._next = 0.0
             # The count before these workers can be killed (read by prepare() if it ran).
-            prepared = self._prepared or (oom_watch().read(),)
+            reading = self._prepared[0] if self._prepared else oom_watch().read()
             self._prepared = None
-            self._starting.append((ref, block, pids, prepared[0]))
-        return key
-
-    def _adopt(self) -> None:
-        """Takes in the generations start() queued (lock held). Where the iterator is gone
-        already, its pids are those its workers wrote in the block (all_pids)."""
-        while self._starting:
-            ref, block, pids, reading = self._starting.popleft()
-            if pids is None:
-                pids = worker_pids(ref())
-            gen = self._live[ref.key] = _Generation(block, [p for p in pids if p])
-            gen.ref = ref
             self._seen.update(dict.fromkeys(gen.pids, reading))
+        gen.ref = _Gone(iterator, self._collected.append)  # no lock: see the docstring
+        gen.ref.key = key
+        return key
 
     def stop(self, key: int) -> None:
         """Its workers ended on purpose (the end of a non-persistent epoch): stop watching.
@@ -232,9 +210,7 @@ class WorkerTracker:
             self._seen.pop(pid, None)
 
     def _fold_collected(self) -> None:
-        """Folds the generations whose iterator is gone into the totals (lock held), once
-        those queued are taken in."""
-        self._adopt()
+        """Folds the generations whose iterator is gone into the totals (lock held)."""
         while self._collected:
             gen = self._live.pop(self._collected.popleft().key, None)
             if gen is None:
@@ -256,10 +232,10 @@ class WorkerTracker:
         less an epoch with it kept (two runs of 600 paired rounds, 2 workers)."""
         block = gen.block
         # gen's slot, `block` and getrefcount's argument: no one else's.
-        if block is not None and gen.forked and sys.getrefcount(block) <= 3:
+        if block is not None and not block.is_shared() and sys.getrefcount(block) <= 3:
             self._spare = (block, len(rows), frozenset(gen.pids))
 
-    def take_block(self, num_workers: int) -> numpy.ndarray | None:
+    def take_block(self, num_workers: int) -> torch.Tensor | None:
         """For a new pool of forked workers: the block of the name's last folded pool,
         zeroed, where it has num_workers rows and no process that shared it exists any
         more (a worker torch could only terminate may still write); else None. A block
@@ -272,8 +248,7 @@ class WorkerTracker:
         block, rows, pids = spare
         if rows != num_workers or any(map(_exists, pids)):
             return None
-        block.fill(0)
-        return block
+        return block.zero_()
 
     # --- read by the collector ---------------------------------------------------------
     def refresh(self, now: float, on_error: bool = False,
@@ -388,8 +363,7 @@ class WorkerTracker:
         finishes a batch (its heartbeat), a worker is lost or a failure counted; not with
         liveness or memory, which change without any of these."""
         with self._lock:
-            self._adopt()
-            beats = sum(int(g.block[:, HEARTBEAT].sum()) for g in self._live.values()
+            beats = sum(int(g.block.numpy()[:, HEARTBEAT].sum()) for g in self._live.values()
                         if g.block is not None)
             return (self._ids, self._stops, len(self._collected), beats, self.lost,
                     *self.failures.values())

@@ -445,9 +445,8 @@ def test_a_stopped_pool_leaves_no_reading_of_its_workers_behind() -> None:
     for pool in range(50):
         it = Iterator()
         pids = [4_000_000 + 2 * pool, 4_000_001 + 2 * pool]  # never this machine's
-        key = tracker.start(it, new_block(2), pids)  # its reading: before they could be killed
-        tracker.version()  # taken in at the next locked call
-        assert set(pids) <= tracker._seen.keys()
+        key = tracker.start(it, new_block(2), pids)
+        assert set(pids) <= tracker._seen.keys()  # read before the workers could be killed
         tracker.stop(key)  # the epoch's end
         del it
         gc.collect()

@@ -493,14 +493,6 @@ static PyObject *beat(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t 
     return PyLong_FromLong(fd < 0 ? -1 : fd);
 }
 
-static PyObject *address(PyObject *Py_UNUSED(m), PyObject *block) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(block, &view, PyBUF_SIMPLE) < 0) return NULL;
-    void *at = view.buf;
-    PyBuffer_Release(&view);
-    return PyLong_FromVoidPtr(at);
-}
-
 /* layout.py's integer `name` into *out, within [lo, hi). */
 static int layout_int(PyObject *layout, const char *name, long lo, long hi, long *out) {
     PyObject *v = PyObject_GetAttrString(layout, name);
@@ -554,8 +546,6 @@ static PyMethodDef module_methods[] = {
     {"beat", (PyCFunction)(void (*)(void))beat, METH_FASTCALL,
      "beat(address, samples, miscounted, fd) -> fd: a worker's row at the end of a batch "
      "(workerblock.py_beat says what it writes)."},
-    {"address", (PyCFunction)address, METH_O,
-     "address(block) -> int: where a contiguous buffer's first byte lies."},
     {NULL},
 };
 

@@ -72,36 +72,19 @@ def start_method(loader: Any) -> str | None:
     return method or multiprocessing.get_all_start_methods()[0]
 
 
-# A block: a numpy array over an anonymous shared mapping (workers forked from this
-# process), or a tensor in torch's shared memory (workers spawned, which unpickle it).
-Block = numpy.ndarray | torch.Tensor
-
-
-def new_block(num_workers: int, forked: bool = False) -> Block:
+def new_block(num_workers: int, forked: bool = False) -> torch.Tensor:
     """A zeroed [num_workers, len(ROW_FIELDS)] int64 block in shared memory. forked: the
-    workers are forked from this process, which is all they need to share it: a numpy
-    array over an anonymous shared mapping (no /dev/shm file, no descriptor, a third of
-    torch's cost to make), unmapped when the array is freed, and read here with numpy's
-    operations, which run less of this process's code than torch's (each page a pool's
-    bookkeeping writes after a fork faults). Otherwise torch's shared memory, which a
-    spawned worker's unpickling maps."""
+    workers are forked from this process, which is all they need to share it: an anonymous
+    shared mapping (no /dev/shm file, no descriptor, a third of torch's cost to make),
+    unmapped when the tensor is freed. Otherwise torch's shared memory, which a spawned
+    worker's unpickling maps."""
     shape = (num_workers, len(ROW_FIELDS))
     if not forked:
         return torch.zeros(shape, dtype=torch.int64).share_memory_()
+    # Through numpy: torch's frombuffer().view() costs about twice as much after a fork
+    # has made the process's pages cold (the view's dispatch).
     rows = numpy.frombuffer(mmap.mmap(-1, num_workers * ROW_BYTES), dtype=numpy.int64)
-    return rows.reshape(shape)
-
-
-def rows_of(block: Block) -> numpy.ndarray:
-    """A block as a numpy array: itself, or a view of torch's (which holds the tensor)."""
-    return block if isinstance(block, numpy.ndarray) else block.numpy()
-
-
-def address(block: Block) -> int:
-    """Where a block's first row lies in this process's memory (C build only)."""
-    if isinstance(block, numpy.ndarray):
-        return _address(block)  # numpy's own ways build a dict or a ctypes object
-    return int(block.data_ptr())
+    return torch.from_numpy(rows.reshape(shape))
 
 
 def own_figures(rows: list[list[int]]) -> list[tuple[int, int, int, int]]:
@@ -156,7 +139,6 @@ def py_beat(row: Any, samples: int, miscounted: bool, fd: int) -> int:
 
 
 if NATIVE:
-    from ._hotpath import address as _address
     from ._hotpath import beat
 else:
     beat = py_beat  # unused: TimedCollate.native is False
@@ -171,7 +153,7 @@ class TimedCollate:
     (num_workers=0), where a miscount only calls on_miscount.
     """
 
-    def __init__(self, collate_fn: Callable[[Any], Any], block: Block | None,
+    def __init__(self, collate_fn: Callable[[Any], Any], block: torch.Tensor | None,
                  batched: bool, verify: bool = False,
                  on_miscount: Callable[[], None] | None = None) -> None:
         self.collate_fn = collate_fn
@@ -182,7 +164,7 @@ class TimedCollate:
         # The C build writes a row by its address: the block's, read here before the
         # workers fork (a spawned worker reads its own copy's).
         self.native = NATIVE
-        self._base = address(block) if block is not None and NATIVE else 0
+        self._base = block.data_ptr() if block is not None and NATIVE else 0
         self._row: Any = None  # this worker's row (address or numpy view); False: none
         self._fd = FD_UNOPENED  # this worker thread's schedstat, opened at its first batch
 
@@ -230,7 +212,8 @@ class TimedCollate:
             if info is None or not 0 <= info.id < self.block.shape[0]:
                 return False
             if self.native:
-                return (self._base or address(self.block)) + info.id * ROW_BYTES
-            return rows_of(self.block)[info.id]
+                base = self._base or self.block.data_ptr()
+                return base + info.id * ROW_BYTES
+            return self.block.numpy()[info.id]
         except Exception:  # metrics must never stop a worker
             return False
