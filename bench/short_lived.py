@@ -54,12 +54,20 @@ from dataloader_exporter.instrument.torch_originals import TORCH_INIT, TORCH_ITE
 from dataloader_exporter.instrument.zerocode import hooks as zerocode_hooks
 from dataloader_exporter.instrument.zerocode import registry as zerocode_registry
 
+ROOT = Path(__file__).resolve().parent.parent  # the checkout, put first on sys.path above
 MAX_ADDED_MS = 0.2  # without workers
 MAX_RATIO = 1.02  # with workers
 # "bare again" is bare once more, an A/A control: its ratio to bare is the method's own
 # resolution, which a ratio target below it cannot be told from.
 VARIANTS = ("bare", "instrumented", "zero-code", "bare again")
 MEASURED = ("instrumented", "zero-code")
+# Per variant: how its loader is built, and the class hooks on (and zero-code mode's too).
+MAKERS: dict[str, tuple[Callable[..., Any], bool, bool]] = {
+    "bare": (DataLoader, False, False),
+    "instrumented": (instrument.DataLoader, True, False),
+    "zero-code": (DataLoader, True, True),
+    "bare again": (DataLoader, False, False),
+}
 _HOOKED: dict[str, Any] = {}
 
 
@@ -153,12 +161,10 @@ def functions(workers: int = 2) -> dict[str, list[str]]:
     (their reference counts and the interpreter's inline caches), so this count, unlike a
     time, is the same on a busy machine."""
     ds = TensorDataset(torch.randn(64, 16), torch.arange(64))
-    makers = {"bare": (DataLoader, False, False),
-              "instrumented": (instrument.DataLoader, True, False),
-              "zero-code": (DataLoader, True, True)}
     ran: dict[str, set[str]] = {}
-    root = str(Path(__file__).resolve().parent.parent) + os.sep
-    for variant, (make, on, auto) in makers.items():
+    root = str(ROOT) + os.sep
+    for variant in ("bare", *MEASURED):
+        make, on, auto = MAKERS[variant]
         hooks(on, auto)
         for _ in range(3):
             one_epoch(make, ds, workers)
@@ -187,13 +193,7 @@ def run_case(workers: int, rounds: int, epoch: Callable[..., Any] = one_epoch
              ) -> dict[str, list[Any]]:
     """Per variant, per round: ms for build + one epoch (or what `epoch` returns)."""
     ds = TensorDataset(torch.randn(64, 16), torch.arange(64))
-    makers: dict[str, tuple[Callable[..., Any], bool, bool]] = {
-        "bare": (DataLoader, False, False),
-        "instrumented": (instrument.DataLoader, True, False),
-        "zero-code": (DataLoader, True, True),
-        "bare again": (DataLoader, False, False),
-    }
-    for make, on, auto in makers.values():  # warm-up: imports, first-use caches
+    for make, on, auto in MAKERS.values():  # warm-up: imports, first-use caches
         hooks(on, auto)
         epoch(make, ds, workers)
     out: dict[str, list[Any]] = {v: [] for v in VARIANTS}
@@ -202,7 +202,7 @@ def run_case(workers: int, rounds: int, epoch: Callable[..., Any] = one_epoch
         order = list(VARIANTS)
         shuffle.shuffle(order)  # no variant always follows another
         for v in order:
-            make, on, auto = makers[v]
+            make, on, auto = MAKERS[v]
             hooks(on, auto)
             out[v].append(epoch(make, ds, workers))
     hooks(False)
