@@ -329,8 +329,9 @@ class Instruments:
 
     def end(self, gen: int) -> None:
         """The iterator is exhausted (StopIteration)."""
-        if self.tuning_now:  # the workers' last figures, before they stop
-            self._read()
+        tuning = self.tuning
+        if tuning is not None and not tuning.tuner.stable:  # tuning_now: the workers' last
+            self._read()  # figures, before they stop
         if gen and not self.config.persistent_workers:
             self.rec.workers.stop(gen)  # torch has shut these workers down on purpose
         self.hub.flush_now()

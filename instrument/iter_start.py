@@ -89,11 +89,13 @@ class _Plan:
         verify = self.count is batch_len and not quiet
         self.block: torch.Tensor | None = None
         self.collate: TimedCollate | None = None
-        current = compat.persistent_iterator(loader)
         started = instruments.started
+        persistent = bool(getattr(loader, "persistent_workers", False))
+        # The iterator a pool started earlier (prestart) or a persistent one lives in.
+        current = compat.persistent_iterator(loader) if started or persistent else None
         self.started = started if started and started[0]() is current else None
         self.reused = bool(workers) and (self.started is not None or (
-            bool(getattr(loader, "persistent_workers", False)) and instruments.tracking(current)))
+            persistent and instruments.tracking(current)))
         if not workers:
             if verify:  # the main process checks a custom collate_fn's count itself
                 self.collate = TimedCollate(loader.collate_fn, None, True, True,

@@ -21,6 +21,7 @@ its memory, and the memory its process may still allocate (process_memory_availa
 
 from __future__ import annotations
 
+import operator
 import os
 import signal
 import sys
@@ -102,6 +103,9 @@ class _Totals:
         return out
 
 
+_pid_of = operator.itemgetter(PID)  # a block row's pid (0: no worker wrote it)
+
+
 class _Gone(weakref.ref):
     """A weak reference to a generation's iterator that names the generation (key)."""
     __slots__ = ("key",)
@@ -114,6 +118,7 @@ class _Generation:
     def __init__(self, block: torch.Tensor | None, pids: list[int]) -> None:
         self.block = block
         self.pids = set(pids)
+        self.pids.discard(0)  # a worker torch has not started (no pid yet)
         self.watched = True
         self.ref: _Gone | None = None  # its iterator, queued on _collected when collected
 
@@ -122,7 +127,8 @@ class _Generation:
         block's, when read already)."""
         pids = set(self.pids)
         if self.block is not None:
-            pids.update(row[PID] for row in rows or self.block.tolist() if row[PID])
+            pids.update(map(_pid_of, rows or self.block.tolist()))
+            pids.discard(0)  # a row no worker wrote
         return pids
 
 
@@ -174,7 +180,7 @@ class WorkerTracker:
             self._fold_collected()
             self._ids += 1
             key = self._ids
-            gen = self._live[key] = _Generation(block, [p for p in pids if p])
+            gen = self._live[key] = _Generation(block, pids)
             self._next = 0.0
             # The count before these workers can be killed (read by prepare() if it ran).
             reading = self._prepared[0] if self._prepared else oom_watch().read()
@@ -231,8 +237,11 @@ class WorkerTracker:
         about 0.1 ms: short-lived loaders of a name built one after another take 0.2 ms
         less an epoch with it kept (two runs of 600 paired rounds, 2 workers)."""
         block = gen.block
-        # gen's slot, `block` and getrefcount's argument: no one else's.
-        if block is not None and not block.is_shared() and sys.getrefcount(block) <= 3:
+        # Not torch's shared memory (asked of the storage: Tensor.is_shared builds a
+        # TypedStorage in Python first); gen's slot, `block` and getrefcount's argument: no
+        # one else's.
+        if (block is not None and not block.untyped_storage().is_shared()
+                and sys.getrefcount(block) <= 3):
             self._spare = (block, len(rows), frozenset(gen.pids))
 
     def take_block(self, num_workers: int) -> torch.Tensor | None:

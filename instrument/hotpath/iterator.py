@@ -55,14 +55,22 @@ class TimedIterator(Timed):
         self._done = False  # whether its end was recorded
 
     def _exhausted(self) -> None:
-        self._finish(True)
+        """next() raised StopIteration: the epoch's end, recorded once."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._owner.end(self._gen)
+        except Exception as e:
+            reraise_torch_worker_error(e)
+            log.debug("metrics bookkeeping failed at the end of an epoch", exc_info=True)
 
     def _raised(self, e: Exception) -> Any:
         """next() raised e: it goes on to the loop (a loop may skip a bad batch and go
         on)."""
         self._mark = 0  # a batch lost to an error: the full batches' count is off
         self._sized = None
-        self._finish(False, e)
+        self._failed(e)
         raise e
 
     def _first(self, batch: Any, t1: int) -> Any:
@@ -119,18 +127,13 @@ class TimedIterator(Timed):
             return
         self._mark = min(end + 1, (b // BYTES_EVERY + 1) * BYTES_EVERY)
 
-    def _finish(self, clean: bool, exc: BaseException | None = None) -> None:
-        if clean and self._done:
-            return
-        self._done = self._done or clean
+    def _failed(self, exc: BaseException) -> None:
+        """next() raised exc: reported (Instruments.error), the loop sees it as it is."""
         try:
-            if clean:
-                self._owner.end(self._gen)
-            elif exc is not None:
-                self._owner.error(exc, self._it, count=not isinstance(self, QuietIterator))
+            self._owner.error(exc, self._it, count=not isinstance(self, QuietIterator))
         except Exception as e:
             reraise_torch_worker_error(e)
-            log.debug("metrics bookkeeping failed at the end of an epoch", exc_info=True)
+            log.debug("metrics bookkeeping failed at an error", exc_info=True)
 
     def __len__(self) -> int:
         return len(self._it)
@@ -145,7 +148,8 @@ class TimedIterator(Timed):
 
 class QuietIterator(TimedIterator):
     """A held torch loader's iterator: its batches are measured by the holder; this only
-    ends its workers' generation and reports an error (see TimedIterator._finish)."""
+    ends its workers' generation and reports an error (TimedIterator._exhausted,
+    _failed)."""
 
     __slots__ = ()
 
@@ -153,8 +157,8 @@ class QuietIterator(TimedIterator):
         try:
             return next(self._it)
         except StopIteration:
-            self._finish(True)
+            self._exhausted()
             raise
         except Exception as e:
-            self._finish(False, e)
+            self._failed(e)
             raise
