@@ -5,6 +5,7 @@ table of exporter/config.py)."""
 from __future__ import annotations
 
 import os
+import sys
 
 DEFAULT_PORT = 9478  # the exporter's, in-process or sidecar (the image EXPOSEs it)
 
@@ -18,4 +19,26 @@ ENV_PURE_PYTHON = ENV_PREFIX + "PURE_PYTHON"  # the loader's per-batch path in P
 
 def pure_python_asked() -> bool:
     """Whether ENV_PURE_PYTHON asks for the per-batch path in Python (set, and not 0)."""
-    return os.environ.get(ENV_PURE_PYTHON, "") not in ("", "0")
+    return getenv(ENV_PURE_PYTHON) not in ("", "0")
+
+
+# os.environ's own table of the environment, where it keeps one (POSIX: bytes names and
+# values, kept in step with os.environ's changes); else None.
+_TABLE: dict[bytes, bytes] | None = (
+    getattr(os.environ, "_data", None) if os.name == "posix" else None)
+_FS = sys.getfilesystemencoding()
+
+
+def getenv(name: str, default: str = "") -> str:
+    """os.environ.get(name, default), read from os.environ's own table where it has one.
+
+    os.environ.get runs three Python functions and, for a name that is not set, raises and
+    catches a KeyError: about 20 written pages that a forked worker shares. The instrumented
+    loader reads a few names at each build and iter(), which a loader rebuilt every epoch
+    pays every epoch.
+    """
+    table = _TABLE
+    if type(table) is not dict:
+        return os.environ.get(name, default)
+    value = table.get(name.encode(_FS, "surrogateescape"))
+    return default if value is None else value.decode(_FS, "surrogateescape")

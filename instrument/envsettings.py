@@ -12,13 +12,13 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch.utils.data
 
+from dataloader_exporter.core.envnames import getenv
 from dataloader_exporter.core.logonce import LogOnce
 from dataloader_exporter.core.settings import (
     AUTO,
@@ -69,7 +69,7 @@ def knobs_of(tune: bool | tuple[str, ...] | list[str]) -> tuple[str, ...]:
 
 def from_env() -> tuple[Setting, ...]:
     """The parsed $DATALOADER_EXPORTER_SETTINGS (raises SettingsError when bad)."""
-    line = os.environ.get(ENV_SETTINGS, "")
+    line = getenv(ENV_SETTINGS)
     if line not in _parsed:
         _parsed[line] = parse(line)
     return _parsed[line]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import sys
 import threading
 import time
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dataloader_exporter.core.envnames import ENV_DIR
+from dataloader_exporter.core.envnames import ENV_DIR, getenv
 from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
 from dataloader_exporter.core.logonce import LogOnce
 from dataloader_exporter.core.settings import SettingsError, log_name
@@ -86,7 +85,7 @@ class Instruments:
         self.started: tuple[weakref.ref[Any], torch.Tensor] | None = None
         # The last iter()'s plan, while nothing needs planning again (iter_start._Kept).
         self.kept: Any = None
-        directory = metrics_dir or os.environ.get(ENV_DIR) or None
+        directory = metrics_dir or getenv(ENV_DIR) or None
         if directory:
             self.hub.write_snapshots(directory)
         if port is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+from dataloader_exporter.core.envnames import getenv
+
 
 def current_rank() -> str:
     """torch.distributed's rank when initialised, else $RANK, else 0."""
@@ -14,7 +16,7 @@ def current_rank() -> str:
             return str(dist.get_rank())
     except Exception:
         pass
-    rank = os.environ.get("RANK", "").strip()
+    rank = getenv("RANK").strip()
     return rank if rank.isdigit() else "0"
 
 

@@ -4,6 +4,7 @@ and applied to instrument.DataLoader when it is built (zero-code mode: test_zero
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from support.torch_helpers import SleepDataset
 
 from dataloader_exporter import instrument
 from dataloader_exporter.core import catalogue as cat
+from dataloader_exporter.core.envnames import getenv
 from dataloader_exporter.core.facts.shm import SHM_PATH, shm_space
 from dataloader_exporter.core.settings import (
     ENV_SETTINGS,
@@ -58,6 +60,18 @@ def test_format_settings_gives_the_line_the_parser_reads() -> None:
                            Setting("train", "persistent_workers", True))
     with pytest.raises(SettingsError):
         format_settings("train", {"speed": 2})
+
+
+@pytest.mark.parametrize("value", ["", "t.num_workers=2", "é ü", "a\udcffb"])
+def test_the_environment_is_read_as_os_environ_has_it_now(
+        monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """getenv reads os.environ's own table: a change made after import shows, a name
+    removed is gone, and a value that is not UTF-8 comes back as os.environ gives it."""
+    monkeypatch.setenv(ENV_SETTINGS, value)
+    assert getenv(ENV_SETTINGS, "unset") == os.environ.get(ENV_SETTINGS, "unset") == value
+    monkeypatch.delenv(ENV_SETTINGS)
+    assert getenv(ENV_SETTINGS, "unset") == "unset"
+    assert getenv(ENV_SETTINGS) == ""
 
 
 def test_settings_apply_to_an_instrumented_loader_when_it_is_built(
