@@ -244,7 +244,7 @@ class Preflight:
         now = time.monotonic()
         last = self._shm_checked
         if (last is not None and now - last[0] < SHM_FREE_EVERY and last[2] == batch_bytes
-                and last[1] == cfg):
+                and (last[1] is cfg or last[1] == cfg)):  # the same object, mostly (rec.made)
             return
         self._shm_checked = (now, cfg, batch_bytes)
         shm = self._shm_probe(self.shm_path)
