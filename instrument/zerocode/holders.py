@@ -47,7 +47,7 @@ def rechunks(holder: Any, inner: list[Any]) -> bool:
 def holder_on_stack() -> Any:
     """The holder whose __init__ is building a loader right now, if any (none while no
     package of HOLDERS is imported)."""
-    if not any(p in sys.modules for p in _PACKAGES):
+    if not any(map(sys.modules.__contains__, _PACKAGES)):
         return None
     frame = inspect.currentframe()
     for _ in range(STACK_DEPTH):

@@ -93,17 +93,25 @@ class Mode:
 _tls = threading.local()  # .outer: {(id(obj), kind): state} of the outermost hook running
 
 
-@contextlib.contextmanager
-def outermost(obj: Any, kind: str, state: Any = None) -> Iterator[Any]:
+class outermost:  # a context manager, lower case as contextlib's are
     """Marks the outermost hook of `kind` running for obj in this thread (hooks it reaches
-    through super() pass straight on)."""
-    outer = _tls.__dict__.setdefault("outer", {})
-    key = (id(obj), kind)
-    outer[key] = state
-    try:
-        yield state
-    finally:
-        outer.pop(key, None)
+    through super() pass straight on) for the `with` block; `as` gives `state`. A class,
+    not contextlib.contextmanager: a loader rebuilt every epoch enters it at each build
+    and iter(), and the generator's four functions would each write pages a fork shares."""
+
+    __slots__ = ("_key", "_outer", "_state")
+
+    def __init__(self, obj: Any, kind: str, state: Any = None) -> None:
+        self._key = (id(obj), kind)
+        self._state = state
+
+    def __enter__(self) -> Any:
+        self._outer: dict[tuple[int, str], Any] = _tls.__dict__.setdefault("outer", {})
+        self._outer[self._key] = self._state
+        return self._state
+
+    def __exit__(self, *exc: object) -> None:
+        self._outer.pop(self._key, None)
 
 
 def inside(obj: Any, kind: str) -> bool:
