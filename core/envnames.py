@@ -22,11 +22,8 @@ def pure_python_asked() -> bool:
     return getenv(ENV_PURE_PYTHON) not in ("", "0")
 
 
-# os.environ's own table of the environment, where it keeps one (POSIX: bytes names and
-# values, kept in step with os.environ's changes); else None.
-_TABLE: dict[bytes, bytes] | None = (
-    getattr(os.environ, "_data", None) if os.name == "posix" else None)
-_FS = sys.getfilesystemencoding()
+_POSIX = os.name == "posix"  # where os.environ keeps its own table (_data): bytes names
+_FS = sys.getfilesystemencoding()  # and values, kept in step with each change through it
 
 
 def getenv(name: str, default: str = "") -> str:
@@ -37,8 +34,8 @@ def getenv(name: str, default: str = "") -> str:
     loader reads a few names at each build and iter(), which a loader rebuilt every epoch
     pays every epoch.
     """
-    table = _TABLE
-    if type(table) is not dict:
+    table = getattr(os.environ, "_data", None) if _POSIX else None  # os.environ now: a
+    if type(table) is not dict:  # test may have put another mapping in its place
         return os.environ.get(name, default)
     value = table.get(name.encode(_FS, "surrogateescape"))
     return default if value is None else value.decode(_FS, "surrogateescape")

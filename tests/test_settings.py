@@ -72,6 +72,8 @@ def test_the_environment_is_read_as_os_environ_has_it_now(
     monkeypatch.delenv(ENV_SETTINGS)
     assert getenv(ENV_SETTINGS, "unset") == "unset"
     assert getenv(ENV_SETTINGS) == ""
+    monkeypatch.setattr(os, "environ", {ENV_SETTINGS: value})  # another mapping in its place
+    assert getenv(ENV_SETTINGS, "unset") == value
 
 
 def test_settings_apply_to_an_instrumented_loader_when_it_is_built(
