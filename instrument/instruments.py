@@ -31,6 +31,7 @@ from .preflight import LoaderConfig, Preflight, process_shm_size
 from .rank import current_rank, local_world_size
 
 if TYPE_CHECKING:  # the tuner is loaded for a tuned loader only
+    from .hotpath.workerblock import Block
     from .tuner.loop import LoaderTuning
     from .tuner.order import Wrap
 
@@ -82,7 +83,7 @@ class Instruments:
         self._failures = LogOnce(log)  # one line per failure cause
         self._urgent_once: set[str] = set()  # causes whose first failure was waited for
         # Workers a loader started outside __iter__ (prestart): their iterator and block.
-        self.started: tuple[weakref.ref[Any], torch.Tensor] | None = None
+        self.started: tuple[weakref.ref[Any], Block] | None = None
         # The last iter()'s plan, while nothing needs planning again (iter_start._Kept).
         self.kept: Any = None
         directory = metrics_dir or getenv(ENV_DIR) or None
@@ -275,7 +276,7 @@ class Instruments:
             self._last_gen = 0
         workers.prepare()
 
-    def track(self, it: Any, block: torch.Tensor | None) -> int:
+    def track(self, it: Any, block: Block | None) -> int:
         """Tracks the workers of a new iterator until it is collected; 0 when there are none."""
         if self.tracking(it):
             return self._last_gen
@@ -290,12 +291,12 @@ class Instruments:
             return 0
         workers.blind = False
         try:
-            self._last_it = weakref.ref(it)
+            ref = self._last_it = workers.start(it, block, pids)
         except TypeError:  # cannot tell when it goes away, so its workers are not tracked
             self._last_it = None
             return 0
-        self._last_gen = self.rec.workers.start(it, block, pids)
-        return self._last_gen
+        self._last_gen = ref.key
+        return ref.key
 
     def first_batch(self, batch: Any, since_iter_ns: int) -> None:
         rec = self.rec

@@ -33,7 +33,7 @@ from dataloader_exporter.core.settings import log_name
 from . import compat
 from .hotpath.batch import batch_len, collated_len, item_len
 from .hotpath.iterator import Counter, FullBatches, QuietIterator, TimedIterator
-from .hotpath.workerblock import TimedCollate, new_block, start_method
+from .hotpath.workerblock import Block, TimedCollate, new_block, start_method
 from .instruments import Instruments
 from .preflight import process_shm_size
 from .torch_originals import TORCH_ITER, lazy
@@ -87,7 +87,7 @@ class _Plan:
         self.count = counter_for(loader)
         workers = getattr(loader, "num_workers", 0) or 0
         verify = self.count is batch_len and not quiet
-        self.block: torch.Tensor | None = None
+        self.block: Block | None = None
         self.collate: TimedCollate | None = None
         started = instruments.started
         persistent = bool(getattr(loader, "persistent_workers", False))
@@ -226,6 +226,10 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
                     log_name(instruments.name), type(loader).__qualname__, exc_info=True)
         return torch_iter(loader)
     tuning = instruments.tuning
+    tuning_now = tuning is not None and not tuning.tuner.stable  # instruments.tuning_now
+    # Read before the workers fork: each page written after it is copied while they run.
+    sized = _sized(loader, plan, torch_iter_as_is is TORCH_ITER and undo is None
+                   and not tuning_now and not quiet)
     try:
         it = _start(loader, plan, torch_iter, tuning is not None and not tuning.advice_only
                     and plan.workers != tuning.tuner.start.workers)
@@ -234,6 +238,9 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
             raise
         plan, it = _again(loader, instruments, torch_iter, quiet)
         undo = None
+        tuning_now = not tuning.tuner.stable
+        sized = _sized(loader, plan, torch_iter_as_is is TORCH_ITER and not tuning_now
+                       and not quiet)
     if torch_iter_as_is is not TORCH_ITER and inspect.isgenerator(it):
         lazy(torch_iter_as_is)
         return it
@@ -243,9 +250,6 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     gen = instruments.track(it, plan.block) if plan.workers else 0
     if quiet:
         return QuietIterator(it, instruments, start, gen, plan.count)
-    tuning_now = tuning is not None and not tuning.tuner.stable  # instruments.tuning_now
-    sized = (fixed_size(loader) if plan.count is collated_len and torch_iter_as_is is TORCH_ITER
-             and undo is None and not tuning_now else None)
     timed = timed_iterator(it, instruments, start, gen, plan.count, sized, not plan.workers)
     if (not plan.workers and plan.collate is None and tuning is None and wrap is None
             and torch_iter_as_is is TORCH_ITER and type(loader) in PLAIN_LOADERS
@@ -268,6 +272,12 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
             timed._resume = switcher(loader, instruments, timed, torch_iter,
                                      functools.partial(_again, loader, instruments))
     return timed
+
+
+def _sized(loader: Any, plan: _Plan, plain: bool) -> FullBatches | None:
+    """fixed_size(loader) where its batches are counted by their shape (collated_len) and
+    `plain`: torch's own iter(), no tuner at work or to undo, not quiet; else None."""
+    return fixed_size(loader) if plain and plan.count is collated_len else None
 
 
 def _start(loader: Any, plan: _Plan, torch_iter: Callable[[Any], Any],

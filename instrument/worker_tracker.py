@@ -2,9 +2,10 @@
 
 A generation is one torch iterator's workers: their shared-memory block
 (hotpath/workerblock.py; None for wrapped loaders) and their pids. It is watched while
-its workers should be alive, and folded into per-worker totals once torch's iterator is
-collected (torch has shut the workers down by then); its block is then released, or kept
-for the name's next pool (take_block). The finalizer only queues the generation: the fold
+its workers should be alive (from the first locked call after start(), which only queues
+it), and folded into per-worker totals once torch's iterator is collected (torch has shut
+the workers down by then); its block is then released, or kept for the name's next pool
+(take_block). The finalizer only queues the generation: the fold
 happens at the next locked call, so a garbage collection inside a locked call (a scrape,
 say) cannot count a generation twice.
 
@@ -21,6 +22,7 @@ its memory, and the memory its process may still allocate (process_memory_availa
 
 from __future__ import annotations
 
+import itertools
 import operator
 import os
 import signal
@@ -31,7 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import torch
+import numpy
 
 from dataloader_exporter.core.catalogue import FAILURE_CAUSES
 from dataloader_exporter.core.facts.cgroup import cgroup_memory_available
@@ -51,7 +53,7 @@ from .failure_causes import (
     signal_name,
 )
 from .hotpath.layout import CPU, HEARTBEAT, MISCOUNTED, PID, SAMPLES, UNCOUNTED
-from .hotpath.workerblock import own_figures
+from .hotpath.workerblock import Block, own_figures
 from .procstat import Figures, LoopAccount, ProcAccount
 
 
@@ -115,7 +117,7 @@ class _Gone(weakref.ref):
 class _Generation:
     __slots__ = ("block", "pids", "ref", "watched")
 
-    def __init__(self, block: torch.Tensor | None, pids: list[int]) -> None:
+    def __init__(self, block: Block | None, pids: list[int]) -> None:
         self.block = block
         self.pids = set(pids)
         self.pids.discard(0)  # a worker torch has not started (no pid yet)
@@ -144,6 +146,9 @@ class WorkerTracker:
         self._lock = threading.Lock()
         self._live: dict[int, _Generation] = {}
         self._collected: deque[_Gone] = deque()  # generations whose iterator is gone
+        # start()'s queue: (ref, block, pids, (the OOM-kill reading,)).
+        self._pending: deque[tuple[_Gone, Block | None, list[int], Any]] = deque()
+        self._keys = itertools.count(1)  # generation keys (_ids: the last one watched)
         self._done: set[int] = set()  # pids that ended, lost or not: never counted again
         self._ids = 0
         self._stops = 0
@@ -161,7 +166,7 @@ class WorkerTracker:
         self._prepared: tuple[tuple[float, int] | None] | None = None  # see prepare()
         # The last folded generation's block, its rows and every pid that shared it
         # (take_block).
-        self._spare: tuple[torch.Tensor, int, frozenset[int]] | None = None
+        self._spare: tuple[numpy.ndarray[Any, Any], int, frozenset[int]] | None = None
 
     # --- fed by the loader ------------------------------------------------------------
     def prepare(self) -> None:
@@ -174,21 +179,32 @@ class WorkerTracker:
             self._fold_collected()
             self._prepared = (oom_watch().read(self.min_interval),)
 
-    def start(self, iterator: Any, block: torch.Tensor | None, pids: list[int]) -> int:
-        """Watches a new (weak-referenceable) iterator's workers until it is collected."""
-        with self._lock:
-            self._fold_collected()
-            self._ids += 1
-            key = self._ids
-            gen = self._live[key] = _Generation(block, pids)
+    def start(self, iterator: Any, block: Block | None, pids: list[int]) -> _Gone:
+        """Watches a new iterator's workers until it is collected. Returns its weak
+        reference, whose key names the generation; raises TypeError, having done nothing,
+        for an iterator that cannot be weakly referenced. pids: those torch gave (read
+        here, by the loop's thread: another thread's reference to torch's iterator could
+        be its last, and shut its workers down there).
+
+        Only queued here, watched from the next locked call on: this runs while the new
+        workers share the process's pages (each page written is copied), and a short
+        epoch's pool has ended before anyone reads it. The OOM-kill count is read before
+        the workers could be killed (by prepare(), or now)."""
+        ref = _Gone(iterator, self._collected.append)  # no lock: see the docstring
+        ref.key = next(self._keys)
+        prepared, self._prepared = self._prepared, None
+        self._pending.append((ref, block, pids, prepared or (oom_watch().read(),)))
+        return ref
+
+    def _watch_pending(self) -> None:
+        """Watches the generations start() queued (lock held)."""
+        while self._pending:
+            ref, block, pids, (reading,) = self._pending.popleft()
+            gen = self._live[ref.key] = _Generation(block, pids)
+            gen.ref = ref
+            self._ids = ref.key
             self._next = 0.0
-            # The count before these workers can be killed (read by prepare() if it ran).
-            reading = self._prepared[0] if self._prepared else oom_watch().read()
-            self._prepared = None
             self._seen.update(dict.fromkeys(gen.pids, reading))
-        gen.ref = _Gone(iterator, self._collected.append)  # no lock: see the docstring
-        gen.ref.key = key
-        return key
 
     def stop(self, key: int) -> None:
         """Its workers ended on purpose (the end of a non-persistent epoch): stop watching.
@@ -216,7 +232,10 @@ class WorkerTracker:
             self._seen.pop(pid, None)
 
     def _fold_collected(self) -> None:
-        """Folds the generations whose iterator is gone into the totals (lock held)."""
+        """Watches the generations queued by start(), and folds those whose iterator is
+        gone into the totals (lock held)."""
+        if self._pending:
+            self._watch_pending()
         while self._collected:
             gen = self._live.pop(self._collected.popleft().key, None)
             if gen is None:
@@ -237,14 +256,12 @@ class WorkerTracker:
         about 0.1 ms: short-lived loaders of a name built one after another take 0.2 ms
         less an epoch with it kept (two runs of 600 paired rounds, 2 workers)."""
         block = gen.block
-        # Not torch's shared memory (asked of the storage: Tensor.is_shared builds a
-        # TypedStorage in Python first); gen's slot, `block` and getrefcount's argument: no
-        # one else's.
-        if (block is not None and not block.untyped_storage().is_shared()
-                and sys.getrefcount(block) <= 3):
+        # A numpy block is an anonymous mapping (new_block); gen's slot, `block` and
+        # getrefcount's argument: no one else's.
+        if type(block) is numpy.ndarray and sys.getrefcount(block) <= 3:
             self._spare = (block, len(rows), frozenset(gen.pids))
 
-    def take_block(self, num_workers: int) -> torch.Tensor | None:
+    def take_block(self, num_workers: int) -> numpy.ndarray[Any, Any] | None:
         """For a new pool of forked workers: the block of the name's last folded pool,
         zeroed, where it has num_workers rows and no process that shared it exists any
         more (a worker torch could only terminate may still write); else None. A block
@@ -257,7 +274,8 @@ class WorkerTracker:
         block, rows, pids = spare
         if rows != num_workers or any(map(_exists, pids)):
             return None
-        return block.zero_()
+        block.fill(0)
+        return block
 
     # --- read by the collector ---------------------------------------------------------
     def refresh(self, now: float, on_error: bool = False,
@@ -372,7 +390,9 @@ class WorkerTracker:
         finishes a batch (its heartbeat), a worker is lost or a failure counted; not with
         liveness or memory, which change without any of these."""
         with self._lock:
-            beats = sum(int(g.block.numpy()[:, HEARTBEAT].sum()) for g in self._live.values()
+            if self._pending:
+                self._watch_pending()
+            beats = sum(int(g.block[:, HEARTBEAT].sum()) for g in self._live.values()
                         if g.block is not None)
             return (self._ids, self._stops, len(self._collected), beats, self.lost,
                     *self.failures.values())

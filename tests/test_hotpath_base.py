@@ -58,10 +58,11 @@ def test_the_version_says_which_build_a_trainer_runs_without_loading_torch() -> 
 
 @pytest.mark.skipif(not hotpath_base.NATIVE, reason="the C build is not what runs (see above)")
 def test_the_c_build_holds_only_the_per_batch_state() -> None:
-    """The clock's readings, the rings, the loop's counters and a worker's row: nothing a
-    subclass, the first batch or the tuner needs, so a Python field never touches C."""
+    """The clock's readings, the rings, the loop's counters and a worker's row (and where
+    a block's rows start): nothing a subclass, the first batch or the tuner needs, so a
+    Python field never touches C."""
     assert {n for n in dir(_hotpath) if not n.startswith("_")} == {
-        "Ring", "Counts", "Timed", "beat"}
+        "Ring", "Counts", "Timed", "beat", "address"}
     assert {n for n in dir(_hotpath.Timed) if n.startswith("_") and not n.startswith("__")
             } == {"_it", "_rec", "_last", "_mark", "_size"}
     counts = _hotpath.Counts()
@@ -312,7 +313,7 @@ def test_a_block_for_forked_workers_is_shared_with_them_without_a_file() -> None
 
     fds = len(os.listdir("/proc/self/fd"))
     block = wb.new_block(3, forked=True)
-    assert len(os.listdir("/proc/self/fd")) == fds and not block.is_shared()
+    assert len(os.listdir("/proc/self/fd")) == fds and isinstance(block, np.ndarray)
     assert block.shape == (3, len(wb.ROW_FIELDS)) and not block.any()
     pid = os.fork()
     if pid == 0:  # the child: a worker's write, then out without Python's exit
@@ -364,6 +365,14 @@ def test_a_workers_beat_writes_its_row_the_same_in_both_builds() -> None:
             _hotpath.beat(0, 1, False, -1)
         with pytest.raises(ValueError):
             _hotpath.beat(c_row + 4, 1, False, -1)
+        # A forked pool's block is a numpy array: its rows' address is its buffer's.
+        forked = wb.new_block(2, forked=True)
+        assert wb.address(forked) == forked.ctypes.data
+        assert _hotpath.beat(wb.address(forked) + wb.ROW_BYTES, 3, False, -1) == -1
+        assert forked[1][wb.SAMPLES] == 3 and forked[1][wb.PID] == os.getpid()
+        assert not forked[0].any()
+        with pytest.raises(BufferError):
+            _hotpath.address(b"read-only")
     finally:
         for fd in fds:
             os.close(fd)

@@ -97,7 +97,7 @@ def test_a_names_next_pool_takes_the_last_blocks_only_once_its_workers_are_gone(
     def folded(pids: list[int], rows: int = 2, held: list[Any] | None = None) -> Any:
         tracker = WorkerTracker()
         block = new_block(rows, forked=True)
-        block.fill_(pids[0])  # what the last pool's workers wrote (their pid, too)
+        block.fill(pids[0])  # what the last pool's workers wrote (their pid, too)
         if held is not None:
             held.append(block)
         it = _Iterator()
@@ -120,7 +120,7 @@ def test_a_names_next_pool_takes_the_last_blocks_only_once_its_workers_are_gone(
 
     held: list[Any] = []
     tracker, ref = folded([gone], held=held)  # someone else still reads it
-    assert tracker.take_block(2) is None and ref() is held[0] and held[0].eq(gone).all()
+    assert tracker.take_block(2) is None and ref() is held[0] and (held[0] == gone).all()
 
 
 def test_short_lived_loaders_of_a_name_count_each_workers_samples_once_through_one_block(

@@ -421,7 +421,7 @@ def test_a_pool_stopped_twice_counts_its_workers_own_time_once() -> None:
         block[0, field] = value
     tracker = WorkerTracker()
     it = Iterator()
-    key = tracker.start(it, block, [])
+    key = tracker.start(it, block, []).key
     tracker.stop(key)  # the epoch's end
     tracker.stop(key)  # the next iter(), the old iterator still held
     fig = tracker.proc_figures()
@@ -445,7 +445,8 @@ def test_a_stopped_pool_leaves_no_reading_of_its_workers_behind() -> None:
     for pool in range(50):
         it = Iterator()
         pids = [4_000_000 + 2 * pool, 4_000_001 + 2 * pool]  # never this machine's
-        key = tracker.start(it, new_block(2), pids)
+        key = tracker.start(it, new_block(2), pids).key
+        tracker.version()  # a collector's call: the pool is watched from then on
         assert set(pids) <= tracker._seen.keys()  # read before the workers could be killed
         tracker.stop(key)  # the epoch's end
         del it

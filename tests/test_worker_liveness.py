@@ -28,6 +28,10 @@ L = {"loader": "t", "rank": "0"}
 
 def test_a_sigkilled_worker_shows_as_one_fewer_active_within_two_seconds(
         registry: CollectorRegistry) -> None:
+    # Earlier tests' iterators left in reference cycles (a raised exception's frames hold
+    # them, torch's or not) go now: collected in the scraper's thread below, each would
+    # hold its scrape for seconds while torch joins its workers.
+    gc.collect()
     # Slow samples, so the victim is killed while it works on a sample rather than while
     # handing one over (torch then fails with EOFError from its fd-passing instead).
     loader = instrument.DataLoader(SleepDataset(40, 0.3), batch_size=1, num_workers=2,

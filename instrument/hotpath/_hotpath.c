@@ -11,6 +11,7 @@
              clock) and records a full batch in _rec. Everything else (the first batch, a
              batch to walk, the end, an error) is a call of the Python subclass's _first,
              _walk, _exhausted or _raised; the subclass holds its own fields.
+   address   where a numpy block's rows start, for beat (a tensor says its data_ptr()).
    beat      a worker's row update at the end of each batch (workerblock.py): clocks,
              counts and its thread's run-queue wait written into its row of the shared
              block, without a Python object touched (a freshly forked worker pays for
@@ -493,6 +494,16 @@ static PyObject *beat(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t 
     return PyLong_FromLong(fd < 0 ? -1 : fd);
 }
 
+/* The address of a writable, contiguous buffer's first byte: a numpy block's first row
+   (a tensor's is its data_ptr()). */
+static PyObject *address(PyObject *Py_UNUSED(m), PyObject *obj) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    PyObject *out = PyLong_FromVoidPtr(view.buf);
+    PyBuffer_Release(&view);
+    return out;
+}
+
 /* layout.py's integer `name` into *out, within [lo, hi). */
 static int layout_int(PyObject *layout, const char *name, long lo, long hi, long *out) {
     PyObject *v = PyObject_GetAttrString(layout, name);
@@ -546,6 +557,8 @@ static PyMethodDef module_methods[] = {
     {"beat", (PyCFunction)(void (*)(void))beat, METH_FASTCALL,
      "beat(address, samples, miscounted, fd) -> fd: a worker's row at the end of a batch "
      "(workerblock.py_beat says what it writes)."},
+    {"address", (PyCFunction)address, METH_O,
+     "address(buffer) -> int: a writable contiguous buffer's first byte (a block's)."},
     {NULL},
 };
 

@@ -35,7 +35,7 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Union
 
 import numpy
 import torch
@@ -72,19 +72,23 @@ def start_method(loader: Any) -> str | None:
     return method or multiprocessing.get_all_start_methods()[0]
 
 
-def new_block(num_workers: int, forked: bool = False) -> torch.Tensor:
+# A worker block: for forked workers a numpy array over an anonymous shared mapping, which
+# the main process reads and zeroes without torch's dispatch; for spawned workers torch's
+# shared memory, which torch pickles to them.
+Block = Union[torch.Tensor, "numpy.ndarray[Any, Any]"]
+
+
+def new_block(num_workers: int, forked: bool = False) -> Block:
     """A zeroed [num_workers, len(ROW_FIELDS)] int64 block in shared memory. forked: the
     workers are forked from this process, which is all they need to share it: an anonymous
-    shared mapping (no /dev/shm file, no descriptor, a third of torch's cost to make),
-    unmapped when the tensor is freed. Otherwise torch's shared memory, which a spawned
-    worker's unpickling maps."""
+    shared mapping (no /dev/shm file, no descriptor, a third of torch's cost to make) held
+    by a numpy array, unmapped when the array is freed. Otherwise a tensor in torch's
+    shared memory, which a spawned worker's unpickling maps."""
     shape = (num_workers, len(ROW_FIELDS))
     if not forked:
         return torch.zeros(shape, dtype=torch.int64).share_memory_()
-    # Through numpy: torch's frombuffer().view() costs about twice as much after a fork
-    # has made the process's pages cold (the view's dispatch).
-    rows = numpy.frombuffer(mmap.mmap(-1, num_workers * ROW_BYTES), dtype=numpy.int64)
-    return torch.from_numpy(rows.reshape(shape))
+    return numpy.frombuffer(mmap.mmap(-1, num_workers * ROW_BYTES), dtype=numpy.int64
+                            ).reshape(shape)
 
 
 def own_figures(rows: list[list[int]]) -> list[tuple[int, int, int, int]]:
@@ -139,9 +143,17 @@ def py_beat(row: Any, samples: int, miscounted: bool, fd: int) -> int:
 
 
 if NATIVE:
+    from ._hotpath import address as buffer_address
     from ._hotpath import beat
 else:
     beat = py_beat  # unused: TimedCollate.native is False
+
+
+def address(block: Block) -> int:
+    """Where a block's first row is, for the C build's beat."""
+    if isinstance(block, torch.Tensor):
+        return block.data_ptr()
+    return buffer_address(block)  # numpy's own ways build Python objects (ctypes, a dict)
 
 
 class TimedCollate:
@@ -153,7 +165,7 @@ class TimedCollate:
     (num_workers=0), where a miscount only calls on_miscount.
     """
 
-    def __init__(self, collate_fn: Callable[[Any], Any], block: torch.Tensor | None,
+    def __init__(self, collate_fn: Callable[[Any], Any], block: Block | None,
                  batched: bool, verify: bool = False,
                  on_miscount: Callable[[], None] | None = None) -> None:
         self.collate_fn = collate_fn
@@ -164,7 +176,7 @@ class TimedCollate:
         # The C build writes a row by its address: the block's, read here before the
         # workers fork (a spawned worker reads its own copy's).
         self.native = NATIVE
-        self._base = block.data_ptr() if block is not None and NATIVE else 0
+        self._base = address(block) if block is not None and NATIVE else 0
         self._row: Any = None  # this worker's row (address or numpy view); False: none
         self._fd = FD_UNOPENED  # this worker thread's schedstat, opened at its first batch
 
@@ -211,9 +223,9 @@ class TimedCollate:
             info = get_worker_info()
             if info is None or not 0 <= info.id < self.block.shape[0]:
                 return False
+            block = self.block
             if self.native:
-                base = self._base or self.block.data_ptr()
-                return base + info.id * ROW_BYTES
-            return self.block.numpy()[info.id]
+                return (self._base or address(block)) + info.id * ROW_BYTES
+            return (block.numpy() if isinstance(block, torch.Tensor) else block)[info.id]
         except Exception:  # metrics must never stop a worker
             return False
