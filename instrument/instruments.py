@@ -309,7 +309,7 @@ class Instruments:
         self.epochs += 1
         rec.epochs += 1
         try:
-            if tuning is not None or not self.preflight.settled(self.config):
+            if tuning is not None or not self.preflight.settled(self.config, self.epochs):
                 self.preflight.on_iter(self.config, self.epochs, tuning is not None and
                                        "num_workers" in tuning.tuned and not tuning.advice_only,
                                        tuning is not None and tuning.keeping.mode != "torch")

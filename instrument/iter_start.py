@@ -357,8 +357,11 @@ def prestart(loader: Any, instruments: Instruments, state_dict: Callable[[Any], 
 def _with_collate(loader: Any, collate: TimedCollate, torch_iter: Callable[[Any], Any]) -> Any:
     """torch_iter(loader) while its collate_fn is `collate` (the user's again after)."""
     user = loader.collate_fn
-    loader.collate_fn = collate
+    # torch's own DataLoader.__setattr__ sets collate_fn as object's does, through a Python
+    # frame (the second of them runs after the workers fork); a subclass's runs.
+    put = object.__setattr__ if type(loader) in PLAIN_LOADERS else setattr
+    put(loader, "collate_fn", collate)
     try:
         return torch_iter(loader)
     finally:
-        loader.collate_fn = user
+        put(loader, "collate_fn", user)

@@ -170,10 +170,12 @@ class Preflight:
         if not self._advice.seen(key):
             self._advice.problem(key, "dataloader %r: " + msg, log_name(self.name), *args)
 
-    def settled(self, cfg: LoaderConfig) -> bool:
-        """Whether on_iter(cfg, any epoch) has nothing left to do or say: cfg, untuned and
-        without workers, was checked already."""
-        return self._same(cfg) and self._checked_tuned is False and not cfg.num_workers
+    def settled(self, cfg: LoaderConfig, epoch: int) -> bool:
+        """Whether on_iter(cfg, epoch), untuned, has nothing left to do or say: cfg was
+        checked already, and no word on persistent_workers is due (none without workers,
+        before a loader's second epoch or with persistent ones)."""
+        return (self._same(cfg) and self._checked_tuned is False
+                and (not cfg.num_workers or epoch < 2 or cfg.persistent_workers is not False))
 
     def _same(self, cfg: LoaderConfig) -> bool:
         """Whether cfg is (of equal values to) the config checked last: a short-lived

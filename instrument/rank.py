@@ -11,8 +11,8 @@ from dataloader_exporter.core.envnames import getenv
 def current_rank() -> str:
     """torch.distributed's rank when initialised, else $RANK, else 0."""
     dist = sys.modules.get("torch.distributed")  # not imported: not initialised either
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
+    try:  # a torch built without it has no is_initialized (is_available() is False)
+        if dist is not None and dist.is_initialized():
             return str(dist.get_rank())
     except Exception:
         pass
