@@ -278,7 +278,7 @@ class Instruments:
 
     def track(self, it: Any, block: Block | None) -> int:
         """Tracks the workers of a new iterator until it is collected; 0 when there are none."""
-        if self.tracking(it):
+        if self._last_it is not None and self.tracking(it):
             return self._last_gen
         workers = self.rec.workers
         if self._last_gen and not self.config.persistent_workers:

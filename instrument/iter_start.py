@@ -56,11 +56,12 @@ EXACT_SAMPLERS = (SequentialSampler, RandomSampler, SubsetRandomSampler, Distrib
 
 
 def fixed_size(loader: Any) -> FullBatches | None:
-    """(batch size, sampler) when every batch of an epoch but its last holds exactly the
-    batch size, in order, and the sampler yields len(sampler) indices: torch's
-    BatchSampler over one of EXACT_SAMPLERS, a dataset fetched one sample per index (no
-    __getitems__ of its own, or a Subset of such), and with workers, in_order. Else None:
-    each batch is walked (TimedIterator._arm)."""
+    """(batch size, full batches in an epoch: len(sampler) // batch size, 0 where len()
+    fails) when every batch of an epoch but its last holds exactly the batch size, in
+    order, and the sampler yields len(sampler) indices: torch's BatchSampler over one of
+    EXACT_SAMPLERS, a dataset fetched one sample per index (no __getitems__ of its own,
+    or a Subset of such), and with workers, in_order. Else None: each batch is walked
+    (TimedIterator._arm). Read at iter(), before any worker forks."""
     batches = getattr(loader, "batch_sampler", None)
     if type(batches) is not BatchSampler:
         return None
@@ -74,7 +75,15 @@ def fixed_size(loader: Any) -> FullBatches | None:
         dataset = dataset.dataset
     if getattr(dataset, "__getitems__", None) is not None:
         return None
-    return size, sampler
+    return full_batches(size, sampler)
+
+
+def full_batches(size: int, sampler: Any) -> FullBatches:
+    """(size, len(sampler) // size, or 0 where len() fails): fixed_size's, of this epoch."""
+    try:
+        return size, len(sampler) // size
+    except Exception:
+        return size, 0
 
 
 class _Plan:
@@ -174,7 +183,8 @@ def _kept_iter(loader: Any, instruments: Instruments, kept: _Kept, start: int) -
         return None
     instruments.rec.workers.loop.tid = threading.get_native_id()
     instruments.mark_epoch(kept.labels, True)
-    return TimedIterator(TORCH_ITER(loader), instruments, start, 0, kept.count, kept.sized)
+    sized = kept.sized and full_batches(kept.sized[0], kept.sampler)  # this epoch's length
+    return TimedIterator(TORCH_ITER(loader), instruments, start, 0, kept.count, sized)
 
 
 def timed_iterator(it: Any, instruments: Instruments, start: int, gen: int, count: Counter,

@@ -21,9 +21,10 @@ from .base import Timed
 from .batch import batch_nbytes, loader_len
 
 Counter = Callable[[Any], "int | None"]
-# (batch size, sampler) of a loader whose every batch but an epoch's last holds the batch
-# size and whose sampler yields len(sampler) indices (iter_start.fixed_size).
-FullBatches = tuple[int, Any]
+# (batch size, full batches in an epoch) of a loader whose every batch but an epoch's last
+# holds the batch size and whose sampler yields len(sampler) indices
+# (iter_start.fixed_size).
+FullBatches = tuple[int, int]
 
 BYTES_EVERY = 256  # batches between two samples of a batch's bytes (each a walk, ~1 µs)
 
@@ -47,7 +48,7 @@ class TimedIterator(Timed):
         self._mark = 0
         self._size = 0
         self._count = count  # how a batch's samples are counted
-        self._sized = sized  # (size, sampler) until armed or found not to hold (_arm)
+        self._sized = sized  # (size, full batches) until armed or found not to hold (_arm)
         self._end = 0  # the epoch's last full batch, in rec.batches (0: unknown)
         self._owner = owner  # the loader's Instruments
         self._start = start_ns  # perf_counter_ns of its iter()
@@ -111,11 +112,7 @@ class TimedIterator(Timed):
         if not end:
             if self._sized is None:
                 return
-            size, sampler = self._sized
-            try:
-                full = len(sampler) // size
-            except Exception:
-                full = 0
+            size, full = self._sized
             if n != size or full < 2:
                 self._sized = None
                 return
