@@ -240,6 +240,10 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     # Read before the workers fork: each page written after it is copied while they run.
     sized = _sized(loader, plan, torch_iter_as_is is TORCH_ITER and undo is None
                    and not tuning_now and not quiet)
+    # So is an untuned loader's iterator, which gets torch's and the workers' generation
+    # once they exist.
+    ready = (TimedIterator(None, instruments, start, 0, plan.count, sized)
+             if tuning is None and not quiet else None)
     try:
         it = _start(loader, plan, torch_iter, tuning is not None and not tuning.advice_only
                     and plan.workers != tuning.tuner.start.workers)
@@ -260,7 +264,12 @@ def instrumented_iter(loader: Any, instruments: Instruments, torch_iter: Callabl
     gen = instruments.track(it, plan.block) if plan.workers else 0
     if quiet:
         return QuietIterator(it, instruments, start, gen, plan.count)
-    timed = timed_iterator(it, instruments, start, gen, plan.count, sized, not plan.workers)
+    if ready is not None:
+        timed = ready
+        timed._it, timed._gen = it, gen
+    else:
+        timed = timed_iterator(it, instruments, start, gen, plan.count, sized,
+                               not plan.workers)
     if (not plan.workers and plan.collate is None and tuning is None and wrap is None
             and torch_iter_as_is is TORCH_ITER and type(loader) in PLAIN_LOADERS
             and instruments._made is not None):
