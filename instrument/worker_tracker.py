@@ -182,9 +182,9 @@ class WorkerTracker:
     def start(self, iterator: Any, block: Block | None, pids: list[int]) -> _Gone:
         """Watches a new iterator's workers until it is collected. Returns its weak
         reference, whose key names the generation; raises TypeError, having done nothing,
-        for an iterator that cannot be weakly referenced. pids: those torch gave (read
-        here, by the loop's thread: another thread's reference to torch's iterator could
-        be its last, and shut its workers down there).
+        for an iterator that cannot be weakly referenced. pids: those torch gave, read by
+        the caller in the loop's thread (another thread's reference to torch's iterator
+        could be its last, and shut its workers down there).
 
         Only queued here, watched from the next locked call on: this runs while the new
         workers share the process's pages (each page written is copied), and a short
