@@ -15,14 +15,16 @@ TensorDataset and takes one epoch of 8 batches (batch_size=8):
   bare again    bare once more: an A/A control, whose ratio to bare is the resolution of
                 the method (a target ratio within it cannot be told from noise)
 
-in two cases: num_workers=0, and num_workers=2 (workers started and shut down each epoch).
+in two cases: num_workers=0, and num_workers=2 (workers started and shut down each epoch;
+--workers N for another count: with 1, three processes no longer share 2 cores).
 Targets: +0.2 ms at most without workers, 1.02x at most with workers. --phases: where the
-2-worker case's added time goes instead: each round cut at the forks, iter()'s return, the
+case with workers adds its time instead: each round cut at the forks, iter()'s return, the
 first batch and the end, with this process's page faults in each part (after a fork, a page
 written faults once: copied while a worker still shares it). --functions: the Python
 functions a round runs beyond bare's, a count that does not vary with the machine's load.
 
-    python bench/short_lived.py [--quick] [--strict] [--rounds N] [--phases | --functions]
+    python bench/short_lived.py [--quick] [--strict] [--rounds N] [--workers N]
+                                [--phases | --functions]
 """
 
 from __future__ import annotations
@@ -132,10 +134,10 @@ def phased_epoch(make: Callable[..., Any], ds: TensorDataset, workers: int
     return [((b[0] - a[0]) / 1e6, b[1] - a[1]) for a, b in itertools.pairwise(marks)]
 
 
-def phases(rounds: int) -> None:
-    """Prints where the 2-worker case's added time and page faults go (paired medians)."""
-    times = run_case(2, rounds, phased_epoch)
-    print(f"\nnum_workers=2 in phases ({rounds} rounds): bare, and what each variant adds "
+def phases(rounds: int, workers: int = 2) -> None:
+    """Prints where the case with workers adds time and page faults (paired medians)."""
+    times = run_case(workers, rounds, phased_epoch)
+    print(f"\nnum_workers={workers} in phases ({rounds} rounds): bare, and what each variant adds "
           "(ms, page faults; medians paired within a round)")
     print(f"  {'':<32}{'bare':>16}" + "".join(f"{v:>21}" for v in VARIANTS[1:]))
     bare = times["bare"]
@@ -245,10 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     ap.add_argument("--rounds", type=int, default=0, help="rounds per case (default 300/600)")
     ap.add_argument("--phases", action="store_true",
-                    help="where the 2-worker case's added time goes, instead of the checks")
+                    help="where the case with workers adds its time, instead of the checks")
     ap.add_argument("--functions", action="store_true",
-                    help="the Python functions a 2-worker round runs beyond bare's, instead")
+                    help="the Python functions a round with workers runs beyond bare's, "
+                    "instead")
+    ap.add_argument("--workers", type=int, default=2,
+                    help="workers in the case with workers (default 2)")
     args = ap.parse_args(argv)
+    if args.workers < 1:
+        ap.error("--workers: at least 1 (the case without workers always runs)")
     logging.getLogger("dataloader_exporter.instrument").setLevel(logging.ERROR)
     os.environ.pop(ENV_DIR, None)  # no snapshot thread: registries stay local
     torch.set_num_threads(1)
@@ -261,31 +268,36 @@ def main(argv: list[str] | None = None) -> int:
     # wider than the distance from the target it is to be told from).
     r2 = args.rounds or (6 if args.quick else 600)
     if args.phases:
-        phases(r2)
+        phases(r2, args.workers)
         return 0
     if args.functions:
-        for variant, names in functions().items():
+        for variant, names in functions(args.workers).items():
             print(f"\n{variant}: {len(names)} functions more than bare's in one round")
             for name in names:
                 print(f"  {name}")
         return 0
     no_workers = summarize(run_case(0, r0))
     report("num_workers=0", r0, no_workers)
-    workers = summarize(run_case(2, r2))
-    report("num_workers=2", r2, workers)
+    workers = summarize(run_case(args.workers, r2))
+    report(f"num_workers={args.workers}", r2, workers)
     checks = {}
     for v in MEASURED:
         checks[f"{v}, no workers: added <= {MAX_ADDED_MS:g} ms"] = (
             no_workers[v]["added_ms"] <= MAX_ADDED_MS)
-        checks[f"{v}, 2 workers: ratio <= {MAX_RATIO:g}"] = workers[v]["ratio"] <= MAX_RATIO
+        checks[f"{v}, {_workers(args.workers)}: ratio <= {MAX_RATIO:g}"] = (
+            workers[v]["ratio"] <= MAX_RATIO)
     print(f"\nbenchmark took {perf_counter() - t0:.0f} s")
     for label, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {label}")
-    result = {"workers_0": no_workers, "workers_2": workers, "quick": args.quick,
+    result = {"workers_0": no_workers, f"workers_{args.workers}": workers, "quick": args.quick,
               "torch": torch.__version__, "python": platform.python_version(),
               "cpus": os.cpu_count(), "checks": checks}
     print(json.dumps(_rounded(result), sort_keys=True))
     return 1 if args.strict and not all(checks.values()) else 0
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker{'s' if n != 1 else ''}"
 
 
 def _rounded(obj: Any) -> Any:

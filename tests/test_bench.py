@@ -181,3 +181,13 @@ def test_the_short_lived_benchmark_lists_the_functions_a_round_runs_beyond_bares
         assert int(head.split()[1]) > 0
     assert "instrument/iter_start.py" in out and "instrumented_iter" in out
     assert "torch/utils/data/dataloader.py" not in out
+
+
+def test_the_short_lived_benchmark_says_its_case_with_workers_needs_one() -> None:
+    """--workers 0 would run the case without workers twice under a name that says
+    otherwise: refused before any round, with the reason."""
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "short_lived.py"),
+                             "--workers", "0"], capture_output=True, text=True, timeout=120,
+                            cwd=REPO)
+    assert result.returncode == 2 and result.stdout == "", result
+    assert "--workers: at least 1" in result.stderr
